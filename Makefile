@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both bootstrap .venv idempotently.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP := $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt
+CONFIG ?= configs/tiny.yaml
+
+.PHONY: run test venv bench clean-runs
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) --upgrade pip 2>&1 | grep -v "is ignored" || true
+	$(PIP) torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	$(PIP) -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import torch, diffusers, prefect, sky, s3fs, onnxruntime, spotlight" 
+	touch $(STAMP)
+
+run: venv
+	$(BIN)/spotlight run --config $(CONFIG)
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+clean-runs:
+	rm -rf runs

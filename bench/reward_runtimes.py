@@ -1,0 +1,130 @@
+"""Reward-scoring runtimes side by side in one run (issue 6).
+
+Prints p50/p95 latency, images/s and throughput ratio to eager for every runtime available on
+this device at each batch size, the parity error of each against eager on the same inputs,
+build (export/compile) time separately, and which runtime `auto` picks at the RL batch size.
+
+    .venv/bin/python bench/reward_runtimes.py --model vit-b16 --batch-sizes 1,8,32,128
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from spotlight import reward_runtime as rr  # noqa: E402
+from spotlight.reward_models import VIT_B16, build_vit  # noqa: E402
+
+# Repeats that keep the whole vit-b16 run under 15 minutes on 2 CPU cores.
+DEFAULT_REPEATS = {"vit-b16": 3, "digits-cnn": 30}
+
+
+def digits_cnn() -> tuple[nn.Module, tuple[int, ...]]:
+    """The pipeline's digit reward classifier (random weights: speed does not depend on them)."""
+    from spotlight.models.classifier import DigitClassifier
+
+    return DigitClassifier().eval(), (1, 16, 16)
+
+
+def main(
+    model: str = typer.Option("vit-b16", help="vit-b16 | digits-cnn"),
+    batch_sizes: str = typer.Option("1,8,32,128", help="comma-separated; each should be a bucket"),
+    repeats: int = typer.Option(0, help="timed calls per cell after one warm-up; 0 = model default"),
+    rl_batch_size: int = typer.Option(32, help="batch size `auto` is measured and chosen at"),
+    device: str = typer.Option("cpu"),
+    cache_url: str = typer.Option("", help="auto's cache (fsspec URL); default: a fresh temp dir"),
+) -> None:
+    console = Console(width=140)
+    if model == "vit-b16":
+        net, item_shape = build_vit(VIT_B16), VIT_B16.item_shape
+    elif model == "digits-cnn":
+        net, item_shape = digits_cnn()
+    else:
+        raise typer.BadParameter(f"unknown model {model!r}; valid: vit-b16, digits-cnn")
+    sizes = [int(s) for s in batch_sizes.split(",")]
+    repeats = repeats or DEFAULT_REPEATS[model]
+    cache_url = cache_url or f"file://{tempfile.mkdtemp(prefix='reward-rt-cache-')}"
+    started = time.perf_counter()
+    console.print(
+        f"model={model} item_shape={item_shape} device={device} torch={torch.__version__} "
+        f"threads={torch.get_num_threads()} load avg 1 min (this bench adds ~2)={os.getloadavg()[0]:.2f} repeats={repeats} (+1 warm-up) per cell, batch sizes={sizes}"
+    )
+
+    inputs = {b: rr.seeded_batch(b, item_shape, seed=b) for b in sizes}
+    rows: dict[str, dict[int, dict]] = {}
+    refs: dict[int, torch.Tensor] = {}  # eager's outputs, the parity reference for every runtime
+    builds: dict[str, str] = {}
+    for runtime in rr.RUNTIMES:
+        try:
+            t0 = time.perf_counter()
+            scorer = rr.make_scorer(net, item_shape, runtime=runtime, batch_size=rl_batch_size, device=device)
+            builds[runtime] = f"{time.perf_counter() - t0:.1f}"
+        except rr.RuntimeRefused as e:
+            builds[runtime] = f"refused: {e}"
+            continue
+        rows[runtime] = {}
+        for b in sizes:
+            t0 = time.perf_counter()
+            out = scorer(inputs[b])  # the warm-up; compiles this bucket if not yet compiled
+            first_s = time.perf_counter() - t0
+            refs.setdefault(b, out)  # eager runs first
+            stats = rr.latency_stats(rr.measure_latency(scorer, inputs[b], warmup=0, min_repeats=repeats,
+                                                        max_repeats=repeats))
+            rows[runtime][b] = {**stats, "first_s": first_s,
+                                "parity": rr.parity_error(out, refs[b])}
+        console.print(f"  measured {runtime} ({time.perf_counter() - started:.0f}s elapsed)")
+        del scorer
+
+    table = Table(title=f"Reward scoring runtimes: {model} on {device} (median of {repeats} fresh calls)")
+    for col in ("runtime", "batch", "p50 ms", "p95 ms", "img/s", "x eager", "parity err", "first call s"):
+        table.add_column(col, justify="left" if col == "runtime" else "right")
+    for b in sizes:
+        eager_ms = rows["eager"][b]["median_ms"]
+        for runtime, cells in rows.items():
+            c = cells[b]
+            table.add_row(runtime, str(b), f"{c['median_ms']:.1f}", f"{c['p95_ms']:.1f}",
+                          f"{b * 1e3 / c['median_ms']:.1f}", f"{eager_ms / c['median_ms']:.2f}",
+                          f"{c['parity']:.1e}", f"{c['first_s']:.2f}")
+        table.add_section()
+    console.print(table)
+
+    build_table = Table(title=f"Build time (export/compile + parity check at batch {rl_batch_size}), seconds")
+    build_table.add_column("runtime")
+    build_table.add_column("build s / why unavailable")
+    for runtime, text in builds.items():
+        build_table.add_row(runtime, text)
+    console.print(build_table)
+
+    t0 = time.perf_counter()
+    auto = rr.make_scorer(net, item_shape, runtime="auto", batch_size=rl_batch_size, device=device,
+                          cache_url=cache_url, model_name=model)
+    auto_s = time.perf_counter() - t0
+    measured = auto.report["runtimes"]
+    eager_ms, pick_ms = measured["eager"]["median_ms"], measured[auto.runtime]["median_ms"]
+    console.print(
+        f"auto @ batch {rl_batch_size}: picks [bold]{auto.runtime}[/] — {pick_ms:.1f} ms vs eager {eager_ms:.1f} ms "
+        f"= {eager_ms / pick_ms:.2f}x eager throughput (auto's own measurement, {auto_s:.0f}s incl. builds); "
+        + ", ".join(f"{k}: {v['median_ms']:.1f} ms" if "median_ms" in v else f"{k}: refused"
+                    for k, v in measured.items())
+    )
+    t0 = time.perf_counter()
+    again = rr.make_scorer(net, item_shape, runtime="auto", batch_size=rl_batch_size, device=device,
+                           cache_url=cache_url, model_name=model)
+    console.print(f"auto again (same key): {again.runtime}, from_cache={again.report['from_cache']}, "
+                  f"{time.perf_counter() - t0:.1f}s; cache: {auto.report['cache_dir']}")
+    console.print(f"total bench time {time.perf_counter() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,1 @@
+"""Prefect flows that chain the stage tasks into the training loop (entrypoints for ``prefect deploy``)."""

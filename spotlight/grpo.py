@@ -1,0 +1,83 @@
+"""The GRPO step of Flow-GRPO: group-relative advantages and a PPO-clipped update over (sample, timestep) rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from spotlight.models.policy import Policy, PromptEmbeds
+from spotlight.sampler import Rollout, step_log_prob
+
+
+def group_advantages(rewards: torch.Tensor, std: Literal["per_prompt", "global"] = "per_prompt",
+                     clip: float = 5.0, eps: float = 1e-4) -> torch.Tensor:
+    """``rewards`` [P, G] -> advantages [P, G]: centred per prompt, scaled by the per-prompt or global std.
+
+    A group whose rewards are all equal gets zero advantage: it teaches nothing, which is why
+    exploration hunts for high-variance groups.
+    """
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    scale = rewards.std(dim=1, keepdim=True) if std == "per_prompt" else rewards.std()
+    return (centred / (scale + eps)).clamp(-clip, clip)
+
+
+def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                        clip_range: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's pessimistic clipped surrogate, per row."""
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
+    loss = torch.maximum(unclipped, clipped).mean()
+    with torch.no_grad():
+        stats = {
+            "clip_frac": ((ratio - 1).abs() > clip_range).float().mean().item(),
+            "approx_kl": (0.5 * log_ratio**2).mean().item(),
+            "max_abs_log_ratio": log_ratio.abs().max().item(),
+        }
+    return loss, stats
+
+
+@dataclass
+class UpdateBatch:
+    """Flattened rollouts: row (i, k) is sample i's transition at step k."""
+
+    rollout: Rollout
+    cond: PromptEmbeds
+    uncond: PromptEmbeds | None
+    advantages: torch.Tensor  # [B]
+    sigmas: torch.Tensor
+
+
+def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+               batch: UpdateBatch, *, minibatch_size: int, clip_range: float, noise_level: float,
+               guidance: float, max_grad_norm: float, kl_beta: float = 0.0, reference: Policy | None = None,
+               generator: torch.Generator) -> list[dict[str, float]]:
+    """One pass over all (sample, timestep) rows in a seeded shuffled order; one optimizer step per minibatch."""
+    ro = batch.rollout
+    n, steps = ro.log_probs.shape
+    rows = torch.randperm(n * steps, generator=generator)
+    stats = []
+    for start in range(0, len(rows), minibatch_size):
+        sel = rows[start : start + minibatch_size]
+        i, k = sel // steps, sel % steps
+        x, x_next = ro.latents[i, k], ro.latents[i, k + 1]
+        uncond = batch.uncond[i] if batch.uncond is not None else None
+        log_prob, step = step_log_prob(policy, x, x_next, k, batch.cond[i], uncond, batch.sigmas, noise_level, guidance)
+        loss, st = clipped_policy_loss(log_prob, ro.log_probs[i, k], batch.advantages[i], clip_range)
+        if kl_beta > 0 and reference is not None:
+            with torch.no_grad():
+                _, ref_step = step_log_prob(reference, x, x_next, k, batch.cond[i], uncond, batch.sigmas,
+                                            noise_level, guidance)
+            kl = ((step.mean - ref_step.mean) ** 2).mean(dim=tuple(range(1, x.ndim))) / (2 * step.std.flatten() ** 2)
+            loss = loss + kl_beta * kl.mean()
+            st["kl_ref"] = kl.mean().item()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        st["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+        optimizer.step()
+        st["loss"] = loss.item()
+        stats.append(st)
+    return stats

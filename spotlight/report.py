@@ -1,0 +1,96 @@
+"""What a person wants to see after a run: a reward curve, before/after samples, and a summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from spotlight.stages import Run  # noqa: E402
+from spotlight.store import RunStore, png_bytes  # noqa: E402
+
+
+@dataclass
+class Summary:
+    run_url: str
+    iterations_done: int
+    train_reward: list[tuple[int, float]]
+    eval_reward: list[tuple[int, float]]
+    within_group_std: list[tuple[int, float]]
+    reward_curve: str
+    samples: str
+
+    @property
+    def eval_first_last(self) -> tuple[float, float] | None:
+        return (self.eval_reward[0][1], self.eval_reward[-1][1]) if len(self.eval_reward) >= 2 else None
+
+    def as_dict(self) -> dict:
+        return {
+            "run_url": self.run_url, "iterations_done": self.iterations_done,
+            "train_reward": self.train_reward, "eval_reward": self.eval_reward,
+            "within_group_std": self.within_group_std,
+            "reward_curve": self.reward_curve, "samples": self.samples,
+        }
+
+
+def committed_metrics(store: RunStore, prefix: str, stage: str | None = None) -> list[dict]:
+    out = []
+    for name in store.list(prefix):
+        key = f"{prefix}/{name}/{stage}" if stage else f"{prefix}/{name}"
+        if store.is_committed(key):
+            out.append(store.load(key).json("metrics.json"))
+    return sorted(out, key=lambda m: m["iteration"])
+
+
+def _grid_image(grid: np.ndarray) -> Image.Image:
+    """[rows, cols, 1, H, W] in [-1, 1] -> one grayscale image with 1-pixel gutters."""
+    rows, cols, _, h, w = grid.shape
+    canvas = np.full((rows * (h + 1) + 1, cols * (w + 1) + 1), 255, dtype=np.uint8)
+    for r in range(rows):
+        for c in range(cols):
+            tile = ((grid[r, c, 0] + 1) * 127.5).clip(0, 255).astype(np.uint8)
+            canvas[1 + r * (h + 1): 1 + r * (h + 1) + h, 1 + c * (w + 1): 1 + c * (w + 1) + w] = tile
+    return Image.fromarray(canvas).resize((canvas.shape[1] * 4, canvas.shape[0] * 4), Image.NEAREST)
+
+
+def write_report(run: Run) -> Summary:
+    """Reward curve and before/after sample grid PNGs in the run store, from committed stages only."""
+    store = run.store
+    updates = committed_metrics(store, "iterations", "update")
+    evals = committed_metrics(store, "evaluations")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if updates:
+        ax.plot([m["iteration"] for m in updates], [m["train_reward_mean"] for m in updates],
+                label=f"train reward ({run.cfg.rewards.train}, SDE rollouts)", alpha=0.8)
+    if evals:
+        ax.plot([m["iteration"] for m in evals], [m["eval_reward"] for m in evals], "o-",
+                label=f"held-out reward ({run.cfg.rewards.eval}, ODE, fixed seeds)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.set_title(f"{run.cfg.run.name}: exploration mode {run.cfg.exploration.mode}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    store.write_bytes("report/reward_curve.png", png_bytes(fig))
+    plt.close(fig)
+    if evals:
+        first = store.load(f"evaluations/{evals[0]['iteration']:04d}").tensors("samples.safetensors")["grid"]
+        last = store.load(f"evaluations/{evals[-1]['iteration']:04d}").tensors("samples.safetensors")["grid"]
+        gutter = np.ones((first.shape[0], 1, *first.shape[2:]), dtype=np.float32)
+        both = np.concatenate([first.numpy(), gutter, last.numpy()], axis=1)
+        store.write_bytes("report/samples_before_after.png", png_bytes(_grid_image(both)))
+    summary = Summary(
+        run_url=store.url,
+        iterations_done=len(updates),
+        train_reward=[(m["iteration"], m["train_reward_mean"]) for m in updates],
+        eval_reward=[(m["iteration"], m["eval_reward"]) for m in evals],
+        within_group_std=[(m["iteration"], m["within_group_std"]) for m in updates],
+        reward_curve=f"{store.url}/report/reward_curve.png",
+        samples=f"{store.url}/report/samples_before_after.png",
+    )
+    store.put_json("report/summary.json", summary.as_dict())
+    return summary

@@ -1,0 +1,281 @@
+"""The stages of a run as pure, idempotent functions: each computes its step once and commits it.
+
+Calling a stage whose step is committed returns the commit without computing anything, so a
+restarted flow (after kill -9, preemption or a Prefect retry) resumes from the last commit; all
+randomness is derived from (run seed, stage, iteration), so the resumed run is bit-identical.
+
+Iteration t uses policy theta_t (theta_0 = the pretrained base):
+    explore(t) -> filter(t) -> update(t) commits theta_{t+1};  evaluate(t) scores theta_t.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from spotlight.config import Config, ConfigError, config_from_dict
+from spotlight.data import DIGIT_PROMPTS, NUM_CLASSES
+from spotlight.grpo import UpdateBatch, group_advantages, grpo_epoch
+from spotlight.models.classifier import DigitClassifier
+from spotlight.models.policy import TinyMMDiT, build_policy
+from spotlight.pretrain import (BaseTrainer, classifier_accuracy, load_optimizer_tensors, optimizer_tensors,
+                                train_classifier)
+from spotlight.rewards import REWARDS, ClassifierReward, JpegCompressibility, Reward
+from spotlight.sampler import sample_ode, sample_sde, sigma_schedule
+from spotlight.seeding import SEED_SPACE, derive_seed, generator
+from spotlight.store import Commit, RunStore, json_bytes, tensors_to_bytes
+
+Progress = Callable[[str, int, int], None]
+CODE_VERSION = "1"  # bump when a cached stage's computation changes meaning
+
+
+def _no_progress(desc: str, done: int, total: int) -> None:
+    pass
+
+
+@dataclass
+class Run:
+    """A run: its config, its store, and the cache of pretrained parts shared by runs."""
+
+    cfg: Config
+    store: RunStore
+    cache: RunStore
+    progress: Progress = _no_progress
+    _rewards: dict[str, Reward] = field(default_factory=dict)
+
+    # -- keys ------------------------------------------------------------------------------
+    @staticmethod
+    def key(stage: str, t: int) -> str:
+        return f"iterations/{t:04d}/{stage}"
+
+    @property
+    def base_key(self) -> str:
+        return f"base-{self.cfg.fingerprint('model', 'pretrain')}-s{self.cfg.run.seed}-v{CODE_VERSION}"
+
+    @property
+    def classifiers_key(self) -> str:
+        return f"classifiers-{self.cfg.fingerprint('pretrain')}-s{self.cfg.run.seed}-v{CODE_VERSION}"
+
+    def eval_iterations(self) -> list[int]:
+        n, every = self.cfg.grpo.iterations, self.cfg.evaluation.every
+        return sorted({0, n, *range(every, n, every)})
+
+    # -- models ----------------------------------------------------------------------------
+    def policy_at(self, t: int) -> TinyMMDiT:
+        """theta_t: the base for t = 0, else the policy committed by update(t - 1)."""
+        policy = build_policy(self.cfg.model)
+        if t == 0:
+            state = self.cache.load(f"{self.base_key}/final").tensors("ema.safetensors")
+        else:
+            state = self.store.load(self.key("update", t - 1)).tensors("policy.safetensors")
+        policy.load_trainable_state(state)
+        return policy.eval()
+
+    def reward(self, name: str) -> Reward:
+        if name not in self._rewards:
+            model_name = REWARDS[name]
+            if model_name is None:
+                self._rewards[name] = JpegCompressibility()
+            else:
+                self._rewards[name] = self._classifier_reward(name, model_name)
+        return self._rewards[name]
+
+    def _classifier_reward(self, name: str, model_name: str) -> ClassifierReward:
+        from spotlight.reward_runtime import make_scorer
+
+        commit = self.cache.load(self.classifiers_key)
+        model = DigitClassifier(width=commit.meta[model_name]["width"])
+        model.load_state_dict(commit.tensors(f"{model_name}.safetensors"))
+        model.eval().requires_grad_(False)
+        scorer = make_scorer(model, (1, 16, 16), runtime=self.cfg.rewards.runtime,
+                             batch_size=self.cfg.grpo.prompts_per_iteration * self.cfg.grpo.group_size,
+                             cache_url=f"{self.cache.url}/reward-runtime", model_name=model_name)
+        return ClassifierReward(name, model, scorer)
+
+
+def open_run(cfg: Config, progress: Progress = _no_progress) -> Run:
+    """Open (or start) the run at cfg's URL. A run keeps the config it started with: another is an error."""
+    torch.set_num_threads(cfg.run.threads)
+    torch.use_deterministic_algorithms(True)
+    store, cache = RunStore(cfg.run_url), RunStore(cfg.cache_url)
+    if store.is_committed("config"):
+        started = config_from_dict(store.load("config").json("config.json"), f"{store.url}/config")
+        if started != cfg:
+            raise ConfigError(f"run {store.url} was started with another config; differences:\n"
+                              + _config_diff(started.model_dump(), cfg.model_dump())
+                              + "\nuse another run.name/run.url, or the original config")
+    else:
+        store.commit("config", {"config.json": json_bytes(cfg.model_dump(mode="json"))})
+    return Run(cfg, store, cache, progress)
+
+
+def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
+    lines = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            sub = _config_diff(va, vb, f"{prefix}{k}.")
+            lines += [sub] if sub else []
+        elif va != vb:
+            lines.append(f"  {prefix}{k}: {va!r} (started) vs {vb!r} (now)")
+    return "\n".join(lines)
+
+
+# -- pretrain ----------------------------------------------------------------------------------
+CLASSIFIERS = {"reward_classifier": ("a", 16, 1), "eval_classifier": ("b", 12, 2)}  # data half, width, seed
+
+
+def pretrain(run: Run) -> Commit:
+    """The cached base policy (EMA weights) and both reward classifiers; resumable in chunks."""
+    cfg, cache = run.cfg, run.cache
+    if not cache.is_committed(run.classifiers_key):
+        objects, meta = {}, {}
+        for name, (part, width, seed) in CLASSIFIERS.items():
+            model = train_classifier(part, width, cfg.pretrain.classifier_steps, derive_seed(cfg.run.seed, name, seed),
+                                     lambda d, n, _s, name=name: run.progress(f"train {name}", d, n))
+            objects[f"{name}.safetensors"] = tensors_to_bytes(model.state_dict())
+            held_out = "b" if part == "a" else "a"
+            meta[name] = {"width": width, "trained_on": part, "accuracy_on_other_half": classifier_accuracy(model, held_out)}
+        cache.commit(run.classifiers_key, objects, meta)
+    final = f"{run.base_key}/final"
+    if cache.is_committed(final):
+        return cache.load(final)
+    trainer = BaseTrainer(cfg)
+    chunks = sorted(k for k in cache.list(run.base_key) if k.startswith("step-") and cache.is_committed(f"{run.base_key}/{k}"))
+    if chunks:
+        trainer.load(cache.load(f"{run.base_key}/{chunks[-1]}").tensors("state.safetensors"), int(chunks[-1][5:]))
+    started = time.perf_counter()
+    while trainer.step < cfg.pretrain.steps:
+        until = min(cfg.pretrain.steps, (trainer.step // cfg.pretrain.commit_every + 1) * cfg.pretrain.commit_every)
+        trainer.train(until, lambda d, n, _s: run.progress("pretrain base", d, n))
+        cache.commit(f"{run.base_key}/step-{trainer.step:07d}", {"state.safetensors": tensors_to_bytes(trainer.state())})
+    ema = trainer.ema.trainable_state()
+    return cache.commit(final, {"ema.safetensors": tensors_to_bytes(ema)},
+                        {"steps": cfg.pretrain.steps, "seconds_last_session": time.perf_counter() - started})
+
+
+# -- explore / filter -------------------------------------------------------------------------
+def prompts_for(cfg: Config, t: int) -> list[str]:
+    """Iteration t's prompts: a seeded draw of digit classes (without replacement while they last)."""
+    g = generator(cfg.run.seed, "prompts", t)
+    n = cfg.grpo.prompts_per_iteration
+    order = torch.cat([torch.randperm(NUM_CLASSES, generator=g) for _ in range(-(-n // NUM_CLASSES))])
+    return [DIGIT_PROMPTS[int(c)] for c in order[:n]]
+
+
+def explore(run: Run, t: int) -> Commit:
+    """Candidate seeds per prompt of iteration t. Mode ``none``: G random seeds, nothing rolled out."""
+    key = run.key("explore", t)
+    if run.store.is_committed(key):
+        return run.store.load(key)
+    cfg = run.cfg
+    prompts = prompts_for(cfg, t)
+    g = generator(cfg.run.seed, "candidate-seeds", t)
+    k = cfg.grpo.group_size if cfg.exploration.mode == "none" else cfg.exploration.candidates_per_prompt
+    seeds = torch.randint(SEED_SPACE, (len(prompts), k), generator=g).tolist()
+    table = {"prompts": prompts, "seeds": seeds, "rewards": None}
+    return run.store.commit(key, {"explored.json": json_bytes(table)}, {"mode": cfg.exploration.mode})
+
+
+def filter_seeds(run: Run, t: int) -> Commit:
+    """The G seeds per prompt that go into update(t). Mode ``none``: the random seeds as drawn."""
+    key = run.key("filter", t)
+    if run.store.is_committed(key):
+        return run.store.load(key)
+    explored = explore(run, t).json("explored.json")
+    g = run.cfg.grpo.group_size
+    chosen = {"prompts": explored["prompts"], "seeds": [s[:g] for s in explored["seeds"]]}
+    return run.store.commit(key, {"filtered.json": json_bytes(chosen)})
+
+
+# -- update -----------------------------------------------------------------------------------
+def update(run: Run, t: int) -> Commit:
+    """Rollouts with theta_t on the filtered seeds, rewards, group advantages, PPO-clip steps -> theta_{t+1}."""
+    key = run.key("update", t)
+    if run.store.is_committed(key):
+        return run.store.load(key)
+    cfg, sc, gc = run.cfg, run.cfg.sampler, run.cfg.grpo
+    started = time.perf_counter()
+    chosen = filter_seeds(run, t).json("filtered.json")
+    policy = run.policy_at(t)
+    params = list(policy.transformer.parameters())
+    optimizer = torch.optim.AdamW(params, lr=gc.lr, weight_decay=0.0)
+    if t > 0:
+        load_optimizer_tensors(optimizer, run.store.load(run.key("update", t - 1)).tensors("optimizer.safetensors"))
+    prompts = [p for p, seeds in zip(chosen["prompts"], chosen["seeds"]) for _ in seeds]
+    seeds = [s for group in chosen["seeds"] for s in group]
+    rollout = sample_sde(policy, prompts, seeds, sc.train_steps, sc.noise_level, sc.shift, sc.guidance)
+    rewards = run.reward(cfg.rewards.train)(rollout.images, prompts)
+    grouped = rewards.view(len(chosen["prompts"]), -1)
+    advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten()
+    reference = run.policy_at(0) if gc.kl_beta > 0 else None
+    batch = UpdateBatch(rollout, policy.encode_prompts(prompts),
+                        policy.encode_prompts([""] * len(prompts)) if sc.guidance != 1.0 else None,
+                        advantages, sigma_schedule(sc.train_steps, sc.shift))
+    policy.train()
+    stats: list[dict[str, float]] = []
+    for epoch in range(gc.epochs):
+        stats += grpo_epoch(policy, params, optimizer, batch, minibatch_size=gc.minibatch_size,
+                            clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
+                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, reference=reference,
+                            generator=generator(cfg.run.seed, "minibatches", t, epoch))
+    group_std = grouped.std(dim=1)
+    metrics = {
+        "iteration": t,
+        "train_reward_mean": rewards.mean().item(),
+        "train_reward_std": rewards.std().item(),
+        "within_group_std": group_std.mean().item(),
+        "zero_variance_groups": (group_std < 1e-3).float().mean().item(),
+        "first_log_ratio": stats[0]["max_abs_log_ratio"],
+        "clip_frac": sum(s["clip_frac"] for s in stats) / len(stats),
+        "approx_kl": sum(s["approx_kl"] for s in stats) / len(stats),
+        "optimizer_steps": len(stats),
+        "seconds": time.perf_counter() - started,
+    }
+    objects = {
+        "policy.safetensors": tensors_to_bytes(policy.trainable_state()),
+        "optimizer.safetensors": tensors_to_bytes(optimizer_tensors(optimizer)),
+        "rewards.safetensors": tensors_to_bytes({"rewards": rewards, "advantages": advantages}),
+        "metrics.json": json_bytes(metrics),
+    }
+    commit = run.store.commit(key, objects, {"iteration": t})
+    run.progress("RL iterations", t + 1, gc.iterations)
+    return commit
+
+
+# -- evaluate ---------------------------------------------------------------------------------
+def eval_seeds(cfg: Config) -> tuple[list[str], list[int]]:
+    """Fixed across iterations: the same prompts and seeds score every theta_t."""
+    prompts, seeds = [], []
+    for c in range(NUM_CLASSES):
+        for j in range(cfg.evaluation.seeds_per_class):
+            prompts.append(DIGIT_PROMPTS[c])
+            seeds.append(derive_seed(cfg.run.seed, "eval", c, j))
+    return prompts, seeds
+
+
+def evaluate(run: Run, t: int) -> Commit:
+    """ODE samples of theta_t on the fixed evaluation seeds, scored by the held-out and training rewards."""
+    key = f"evaluations/{t:04d}"
+    if run.store.is_committed(key):
+        return run.store.load(key)
+    sc = run.cfg.sampler
+    policy = run.policy_at(t)
+    prompts, seeds = eval_seeds(run.cfg)
+    images = sample_ode(policy, prompts, seeds, sc.eval_steps, sc.shift, sc.guidance)
+    held_out = run.reward(run.cfg.rewards.eval)(images, prompts)
+    train = run.reward(run.cfg.rewards.train)(images, prompts)
+    per_class = held_out.view(NUM_CLASSES, -1).mean(dim=1)
+    metrics = {"iteration": t, "eval_reward": held_out.mean().item(), "train_reward_on_eval": train.mean().item(),
+               "eval_reward_per_class": per_class.tolist()}
+    grid = images.view(NUM_CLASSES, -1, *images.shape[1:])[:, :8]
+    return run.store.commit(key, {"metrics.json": json_bytes(metrics),
+                                  "samples.safetensors": tensors_to_bytes({"grid": grid})}, {"iteration": t})
+
+
+STAGES: dict[str, Callable[[Run, int], Commit]] = {
+    "explore": explore, "filter": filter_seeds, "update": update, "evaluate": evaluate,
+}

@@ -1,0 +1,216 @@
+"""The run store: everything a run produces, under one fsspec URL (``file://`` or ``s3://``).
+
+Objects are immutable and step-named (``iterations/0003/update/policy.safetensors``). A commit is a
+small JSON manifest, written last, that lists each object with its sha256; it is the only commit
+point, so a reader never sees half a checkpoint and a restarted stage resumes from the last commit.
+The manifest is written create-only (``O_EXCL`` locally, ``If-None-Match: *`` on S3), so two
+writers racing on one step cannot both commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+MANIFEST = "COMMIT.json"
+
+
+class StoreError(RuntimeError):
+    """A run-store problem that names the object involved."""
+
+
+class CorruptObjectError(StoreError):
+    """A committed object whose bytes no longer match the checksum in its manifest."""
+
+
+class AlreadyExistsError(StoreError):
+    """A create-only write lost the race: the object exists already."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    return save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+def bytes_to_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    return load_safetensors(data)
+
+
+@dataclass
+class Commit:
+    """A committed step: its manifest, and its objects read on demand and checksum-verified."""
+
+    store: "RunStore"
+    name: str
+    manifest: dict[str, Any]
+    _cache: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.manifest["meta"]
+
+    def read(self, obj: str) -> bytes:
+        if obj not in self._cache:
+            entry = self.manifest["objects"].get(obj)
+            if entry is None:
+                raise StoreError(f"{self.store.url}/{self.name}: no object {obj!r} in its commit")
+            key = f"{self.name}/{obj}"
+            data = self.store.read_bytes(key)
+            if sha256(data) != entry["sha256"] or len(data) != entry["size"]:
+                raise CorruptObjectError(
+                    f"corrupt object {self.store.url}/{key}: sha256 {sha256(data)[:12]}… "
+                    f"({len(data)} bytes) does not match its commit ({entry['sha256'][:12]}…, "
+                    f"{entry['size']} bytes); nothing was changed in the store"
+                )
+            self._cache[obj] = data
+        return self._cache[obj]
+
+    def tensors(self, obj: str) -> dict[str, torch.Tensor]:
+        return bytes_to_tensors(self.read(obj))
+
+    def json(self, obj: str) -> Any:
+        return json.loads(self.read(obj))
+
+
+class RunStore:
+    """One code path for local disk and S3 (any fsspec URL)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+
+    def child(self, sub: str) -> "RunStore":
+        store = RunStore.__new__(RunStore)
+        store.url, store.fs, store.root, store.is_local = (
+            f"{self.url}/{sub}", self.fs, f"{self.root}/{sub}", self.is_local)
+        return store
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    # -- raw objects -----------------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self.path(key))
+
+    def read_bytes(self, key: str) -> bytes:
+        try:
+            with self.fs.open(self.path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError as e:
+            raise StoreError(f"missing object {self.url}/{key}") from e
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Write an object. Atomic locally (temp file + rename); a single PUT on S3."""
+        path = self.path(key)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            with self.fs.open(path, "wb") as f:
+                f.write(data)
+
+    def create_bytes(self, key: str, data: bytes) -> None:
+        """Create-only write: raises AlreadyExistsError if the object exists (the claim primitive)."""
+        path = self.path(key)
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # atomic and exclusive, like O_EXCL, but never exposes a partial file
+            except FileExistsError as e:
+                raise AlreadyExistsError(f"{self.url}/{key} exists") from e
+            finally:
+                os.unlink(tmp)
+            return
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError as e:
+            raise AlreadyExistsError(f"{self.url}/{key} exists") from e
+        except (OSError, ValueError) as e:
+            if "PreconditionFailed" in repr(e) or "412" in repr(e):
+                raise AlreadyExistsError(f"{self.url}/{key} exists") from e
+            raise
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm(self.path(key))
+        except FileNotFoundError:
+            pass
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys directly under ``prefix`` (names only), sorted."""
+        try:
+            entries = self.fs.ls(self.path(prefix), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(os.path.basename(e.rstrip("/")) for e in entries)
+
+    # -- commits ---------------------------------------------------------------------------
+    def is_committed(self, name: str) -> bool:
+        return self.exists(f"{name}/{MANIFEST}")
+
+    def commit(self, name: str, objects: dict[str, bytes], meta: dict[str, Any] | None = None) -> Commit:
+        """Write the objects, then the manifest last. Idempotent: an existing commit is returned as is."""
+        if self.is_committed(name):
+            return self.load(name)
+        for obj, data in objects.items():
+            self.write_bytes(f"{name}/{obj}", data)
+        manifest = {
+            "name": name,
+            "objects": {obj: {"sha256": sha256(d), "size": len(d)} for obj, d in objects.items()},
+            "meta": meta or {},
+        }
+        try:
+            self.create_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
+        except AlreadyExistsError:
+            pass  # a concurrent writer committed the same deterministic step first
+        return self.load(name)
+
+    def load(self, name: str) -> Commit:
+        key = f"{name}/{MANIFEST}"
+        try:
+            manifest = json.loads(self.read_bytes(key))
+        except json.JSONDecodeError as e:
+            raise CorruptObjectError(f"corrupt manifest {self.url}/{key}: {e}") from e
+        return Commit(self, name, manifest)
+
+    def put_json(self, key: str, value: Any) -> None:
+        self.write_bytes(key, json.dumps(value, indent=1, sort_keys=True).encode())
+
+    def get_json(self, key: str) -> Any:
+        return json.loads(self.read_bytes(key))
+
+
+def json_bytes(value: Any) -> bytes:
+    return json.dumps(value, indent=1, sort_keys=True).encode()
+
+
+def png_bytes(figure_or_image: Any) -> bytes:
+    buf = io.BytesIO()
+    figure_or_image.save(buf, format="PNG") if hasattr(figure_or_image, "getpixel") else \
+        figure_or_image.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    return buf.getvalue()
