@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: run test venv bench clean-runs
+.PHONY: run test venv ui-check clean-runs
 
 venv: $(STAMP)
 
@@ -19,10 +19,13 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: venv
-	$(BIN)/spotlight run --config $(CONFIG)
+	OMP_NUM_THREADS=1 PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/spotlight run --config $(CONFIG)
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
 clean-runs:
 	rm -rf runs
+
+ui-check: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s tests/test_prefect_deploy.py -k ui

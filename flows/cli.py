@@ -21,4 +21,13 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
     print_summary(Summary(**summary))
 
 
+@app.command()
+def plan(run_url: Optional[str] = typer.Option(
+        None, "--run", help="take stage hours per iteration from this run's cost ledger")) -> None:
+    """Cheapest spot vs on-demand offer per stage (SkyPilot's optimizer, shipped catalog) and $ per iteration."""
+    from tasks.placement import format_plan, plan as make_plan
+
+    typer.echo(format_plan(make_plan(run_url)))
+
+
 __all__ = ["app", "main", "typer"]

@@ -12,6 +12,7 @@ from prefect import flow, get_run_logger
 
 from spotlight.config import load_config
 from tasks import stages as t
+from tasks.artifacts import publish_iteration, publish_run
 
 
 @flow(name="spotlight-post-train")
@@ -30,7 +31,11 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
         t.filter_seeds(config, it)
         metrics = t.update(config, it)
         line = f"iteration {it}: train reward {metrics['train_reward_mean']:.3f}"
-        if it + 1 in evaluations:
-            line += f", held-out reward of theta_{it + 1} {t.evaluate(config, it + 1)['eval_reward']:.3f}"
+        evaluated = t.evaluate(config, it + 1) if it + 1 in evaluations else None
+        if evaluated:
+            line += f", held-out reward of theta_{it + 1} {evaluated['eval_reward']:.3f}"
         log.info(line)
-    return t.report(config)
+        publish_iteration(config, it, metrics, evaluated)
+    summary = t.report(config)
+    publish_run(config, summary)
+    return summary

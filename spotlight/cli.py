@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from spotlight.config import ConfigError, load_config
@@ -41,9 +42,10 @@ def print_summary(summary: Summary) -> None:
     if summary.eval_first_last:
         a, b = summary.eval_first_last
         table.add_row("held-out reward change", f"{b - a:+.3f}")
-    table.add_row("reward curve", summary.reward_curve)
-    table.add_row("samples (before | after)", summary.samples)
-    console.print(table)
+    out = Console()
+    out.print(table)
+    out.print(f"reward curve:             {summary.reward_curve}", soft_wrap=True)
+    out.print(f"samples (before | after): {summary.samples}", soft_wrap=True)
 
 
 @app.command()
@@ -66,10 +68,31 @@ def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Opt
     print_summary(write_report(open_run(config_with(config, overrides, run_url))))
 
 
+@app.command()
+def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (file://... or s3://...)"),
+           worker_id: Optional[str] = typer.Option(None, "--id", help="worker name; default host-pid"),
+           lease_seconds: float = typer.Option(60.0, "--lease-seconds", help="lease length; renewed every third"),
+           idle_exit: float = typer.Option(0.0, "--idle-exit", help="exit after this long with no claimable work")) -> None:
+    """Explore seeds for a run: pull items from its exploration queues until none is left (SIGTERM-safe)."""
+    from spotlight.worker import work_on_run
+
+    stats = work_on_run(run_url, worker_id=worker_id, lease_seconds=lease_seconds, idle_exit_seconds=idle_exit)
+    table = Table(title=f"worker {stats['worker']} on {run_url}")
+    table.add_column("what")
+    table.add_column("value")
+    for key in ("items_claimed", "units_done", "items_completed", "items_released", "leases_lost"):
+        value = stats[key]
+        table.add_row(key.replace("_", " "), str(len(value) if isinstance(value, list) else value))
+    table.add_row("busy / idle seconds", f"{stats['busy_seconds']:.1f} / {stats['idle_seconds']:.1f}")
+    table.add_row("utilisation", f"{stats['utilisation']:.0%}")
+    table.add_row("stopped by SIGTERM", str(stats["stopped"]))
+    Console().print(table)
+
+
 def main() -> None:
     """Entry point that turns known errors into one clear line and exit code 2."""
     try:
         app()
     except (ConfigError, StoreError) as e:
-        console.print(f"[bold red]error:[/] {e}")
+        console.print(f"[bold red]error:[/] {e}", soft_wrap=True, markup=True, highlight=False)
         raise SystemExit(2) from None

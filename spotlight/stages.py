@@ -112,6 +112,15 @@ def open_run(cfg: Config, progress: Progress = _no_progress) -> Run:
     return Run(cfg, store, cache, progress)
 
 
+def open_run_from_url(url: str, progress: Progress = _no_progress) -> Run:
+    """Open an existing run from its store URL alone (workers, stage jobs): its committed config says the rest."""
+    store = RunStore(url)
+    if not store.is_committed("config"):
+        raise ConfigError(f"no run at {url}: it has no committed config (start it with `spotlight run`)")
+    cfg = config_from_dict(store.load("config").json("config.json"), f"{url}/config")
+    return open_run(cfg.model_copy(update={"run": cfg.run.model_copy(update={"url": url})}), progress)
+
+
 def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
     lines = []
     for k in sorted(set(a) | set(b)):

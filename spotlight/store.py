@@ -5,6 +5,12 @@ small JSON manifest, written last, that lists each object with its sha256; it is
 point, so a reader never sees half a checkpoint and a restarted stage resumes from the last commit.
 The manifest is written create-only (``O_EXCL`` locally, ``If-None-Match: *`` on S3), so two
 writers racing on one step cannot both commit.
+
+On S3 (and S3-compatible stores: R2, MinIO — endpoint from ``AWS_ENDPOINT_URL`` or
+``storage_options={"endpoint_url": ...}``) credentials come from the standard AWS chain and are
+never written anywhere; every request is retried with backoff on transient errors (connection
+refused/reset, timeouts, 5xx, throttling) but never on a failed precondition, and s3fs's listing
+cache is bypassed so another process's commits are seen at once.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ import hashlib
 import io
 import json
 import os
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -24,6 +31,9 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 MANIFEST = "COMMIT.json"
+RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 8.0)  # seconds between attempts: rides out a ~20 s outage
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StoreError(RuntimeError):
@@ -36,6 +46,61 @@ class CorruptObjectError(StoreError):
 
 class AlreadyExistsError(StoreError):
     """A create-only write lost the race: the object exists already."""
+
+
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+                    "InternalError", "ServiceUnavailable", "503", "500", "502", "504"}
+_TRANSIENT_TEXT = ("SlowDown", "reduce your request rate", "Throttl", "ServiceUnavailable", "InternalError",
+                   "Connection refused", "Connection reset", "Could not connect", "Read timeout",
+                   "Connect timeout", "Service Unavailable", "Internal Server Error", "Bad Gateway")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying (the server was away or busy); never for a failed precondition."""
+    if isinstance(exc, (FileExistsError, FileNotFoundError, PermissionError, StoreError)):
+        return False
+    if "PreconditionFailed" in repr(exc) or "412" in str(getattr(exc, "response", "")):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return status >= 500 or response.get("Error", {}).get("Code") in _TRANSIENT_CODES
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+        if isinstance(exc, (BotoConnectionError, HTTPClientError)):
+            return True
+    except ImportError:  # pragma: no cover - botocore comes with s3fs
+        pass
+    text = str(exc)
+    return any(t in text for t in _TRANSIENT_TEXT) or (exc.__cause__ is not None and is_transient(exc.__cause__))
+
+
+def with_retries(what: str, fn: Callable[[], T], delays: tuple[float, ...] = RETRY_DELAYS) -> T:
+    """Call ``fn``, retrying transient errors with backoff; other errors (and the last one) propagate."""
+    for attempt, delay in enumerate((*delays, None)):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - classified just below
+            if delay is None or not is_transient(e):
+                raise
+            _log.warning("%s: transient error (%s), retry %d in %.1fs", what, type(e).__name__, attempt + 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def s3_storage_options(storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """s3fs options: the endpoint override for S3-compatible stores, bounded timeouts; no keys here."""
+    options = dict(storage_options or {})
+    endpoint = options.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL")
+    client_kwargs = dict(options.pop("client_kwargs", {}))
+    if endpoint:
+        client_kwargs.setdefault("endpoint_url", endpoint)
+    options["client_kwargs"] = client_kwargs
+    options.setdefault("config_kwargs", {"connect_timeout": 5, "read_timeout": 60})
+    return options
 
 
 def sha256(data: bytes) -> str:
@@ -91,7 +156,9 @@ class RunStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        options = s3_storage_options(storage_options) if self.url.startswith(("s3://", "s3a://")) else \
+            (storage_options or {})
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
 
     def child(self, sub: str) -> "RunStore":
@@ -105,12 +172,18 @@ class RunStore:
 
     # -- raw objects -----------------------------------------------------------------------
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self.path(key))
+        if self.is_local:
+            return self.fs.exists(self.path(key))
+        path = self.path(key)
+        self.fs.invalidate_cache(path)  # another process may have written it since we last listed
+        return with_retries(f"exists {self.url}/{key}", lambda: self.fs.exists(path))
 
     def read_bytes(self, key: str) -> bytes:
         try:
-            with self.fs.open(self.path(key), "rb") as f:
-                return f.read()
+            if self.is_local:
+                with self.fs.open(self.path(key), "rb") as f:
+                    return f.read()
+            return with_retries(f"read {self.url}/{key}", lambda: self.fs.cat_file(self.path(key)))
         except FileNotFoundError as e:
             raise StoreError(f"missing object {self.url}/{key}") from e
 
@@ -125,9 +198,8 @@ class RunStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        else:
-            with self.fs.open(path, "wb") as f:
-                f.write(data)
+        else:  # one PUT of the whole object: S3 never shows a partial object, and a retry is a clean redo
+            with_retries(f"write {self.url}/{key}", lambda: self.fs.pipe_file(path, data))
 
     def create_bytes(self, key: str, data: bytes) -> None:
         """Create-only write: raises AlreadyExistsError if the object exists (the claim primitive)."""
@@ -146,25 +218,35 @@ class RunStore:
             finally:
                 os.unlink(tmp)
             return
+        # If-None-Match: * . A retry after a lost response may see our own first PUT as "exists":
+        # commit() treats that as committed (same bytes), a claim as lost (safe: the lease expires).
         try:
-            self.fs.pipe_file(path, data, mode="create")
+            with_retries(f"create {self.url}/{key}", lambda: self.fs.pipe_file(path, data, mode="create"))
         except FileExistsError as e:
             raise AlreadyExistsError(f"{self.url}/{key} exists") from e
         except (OSError, ValueError) as e:
             if "PreconditionFailed" in repr(e) or "412" in repr(e):
                 raise AlreadyExistsError(f"{self.url}/{key} exists") from e
             raise
+        finally:
+            self.fs.invalidate_cache(path)
 
     def delete(self, key: str) -> None:
         try:
-            self.fs.rm(self.path(key))
+            if self.is_local:
+                self.fs.rm(self.path(key))
+            else:
+                with_retries(f"delete {self.url}/{key}", lambda: self.fs.rm(self.path(key)))
+                self.fs.invalidate_cache(self.path(key))
         except FileNotFoundError:
             pass
 
     def list(self, prefix: str) -> list[str]:
-        """Keys directly under ``prefix`` (names only), sorted."""
+        """Keys directly under ``prefix`` (names only), sorted; always a fresh listing, never s3fs's cache."""
+        path = self.path(prefix)
         try:
-            entries = self.fs.ls(self.path(prefix), detail=False, refresh=True)
+            entries = self.fs.ls(path, detail=False, refresh=True) if self.is_local else \
+                with_retries(f"list {self.url}/{prefix}", lambda: self.fs.ls(path, detail=False, refresh=True))
         except FileNotFoundError:
             return []
         return sorted(os.path.basename(e.rstrip("/")) for e in entries)

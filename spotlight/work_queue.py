@@ -1,0 +1,280 @@
+"""A pull-based, preemption-aware work queue that lives in the run store (``file://`` or ``s3://``).
+
+Why pull-based: spot workers come and go; each worker claims the next free item when it is ready, so
+fast workers take more items and a preempted one costs only the item it held.
+
+Everything is an immutable, create-only object (no read-modify-write, no locks, no overwrites), so the
+same code is correct on a local disk (``os.link``, like ``O_EXCL``) and on S3 (``If-None-Match: *``):
+
+    {prefix}/items/COMMIT.json, items.json      the published items (one commit: all or nothing)
+    {prefix}/leases/{item}/{epoch}-{renewal}    a lease epoch (renewal 000000 = the claim) and its renewals
+    {prefix}/leases/{item}/{epoch}-released     the holder handed the item back (SIGTERM path)
+    {prefix}/units/{item}/{unit}                one finished unit's result; the first write wins
+    {prefix}/done/{item}                        the completion marker; exactly one worker creates it
+
+A claim creates the next epoch's ``-000000`` object, so two workers can never hold the same epoch; a
+holder that finds a newer epoch has lost its lease (it was presumed dead) and stops. Expiry compares
+the holder's ``expires`` with the claimant's clock, so worker clocks must agree to well within a lease
+(NTP does). Units are recorded create-only and results are deterministic per unit, so a unit computed
+twice (by a zombie holder and its successor) is harmless: the first result is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
+
+NAME = re.compile(r"[A-Za-z0-9_=+-]{1,200}")  # no dots: temp files of in-flight local writes contain one
+LEASE = re.compile(r"(\d{6})-(\d{6}|released)")
+
+
+class QueueError(StoreError):
+    """A queue used wrongly (bad names, a conflicting publish, completing unfinished work)."""
+
+
+class LeaseLostError(QueueError):
+    """The claim's lease was taken over (it expired) or released: stop working on the item."""
+
+
+@dataclass
+class Claim:
+    """A held lease epoch of one item."""
+
+    item: dict[str, Any]
+    worker: str
+    epoch: int
+    expires: float
+    renewals: int = 0
+
+    @property
+    def item_id(self) -> str:
+        return self.item["id"]
+
+
+@dataclass
+class _LeaseState:
+    epoch: int | None  # latest epoch, None if never claimed
+    worker: str | None
+    expires: float
+    released: bool
+
+    def free(self, now: float) -> bool:
+        return self.epoch is None or self.released or now >= self.expires
+
+
+@dataclass
+class WorkQueue:
+    """The queue under ``prefix`` in ``store``; many WorkQueue objects (processes, machines) may share it."""
+
+    store: RunStore
+    prefix: str
+    lease_seconds: float = 60.0
+    clock: Callable[[], float] = time.time
+    _items: list[dict[str, Any]] | None = field(default=None, repr=False)
+    _unit_cache: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prefix = self.prefix.strip("/")
+        if self.lease_seconds <= 0:
+            raise QueueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+
+    # -- publishing --------------------------------------------------------------------------
+    def publish(self, items: list[dict[str, Any]]) -> None:
+        """Publish the items as one commit. Idempotent; publishing different items here is an error."""
+        _validate(items)
+        key = f"{self.prefix}/items"
+        if not self.store.is_committed(key):
+            self.store.commit(key, {"items.json": json_bytes(items)}, {"items": len(items)})
+        published = self.store.load(key).json("items.json")
+        if published != json.loads(json_bytes(items)):
+            raise QueueError(f"{self.store.url}/{self.prefix} already holds {len(published)} other items; "
+                             "a queue's items are immutable, publish under another prefix")
+        self._items = published
+
+    def published(self) -> bool:
+        return self._items is not None or self.store.is_committed(f"{self.prefix}/items")
+
+    def items(self) -> list[dict[str, Any]]:
+        """The published items (empty before publish); cached, since a published queue is immutable."""
+        if self._items is None:
+            if not self.store.is_committed(f"{self.prefix}/items"):
+                return []
+            self._items = self.store.load(f"{self.prefix}/items").json("items.json")
+        return self._items
+
+    def item(self, item_id: str) -> dict[str, Any]:
+        for item in self.items():
+            if item["id"] == item_id:
+                return item
+        raise QueueError(f"{self.store.url}/{self.prefix} has no item {item_id!r}")
+
+    # -- leases ------------------------------------------------------------------------------
+    def claim(self, worker: str) -> Claim | None:
+        """Claim an unfinished item whose lease is free (never claimed, released or expired), or None."""
+        _check_name(worker, "worker")
+        items = self.items()
+        done = self._done()
+        # Each worker scans from its own offset, so workers starting together rarely collide.
+        start = int(hashlib.sha256(worker.encode()).hexdigest(), 16) % max(len(items), 1)
+        for item in items[start:] + items[:start]:
+            if item["id"] in done:
+                continue
+            state = self._lease_state(item["id"])
+            if not state.free(self.clock()):
+                continue
+            epoch = 0 if state.epoch is None else state.epoch + 1
+            expires = self.clock() + self.lease_seconds
+            try:
+                self.store.create_bytes(self._lease_key(item["id"], epoch, 0),
+                                        json_bytes({"worker": worker, "epoch": epoch, "renewal": 0, "expires": expires}))
+            except AlreadyExistsError:
+                continue  # another worker claimed this epoch first
+            return Claim(item, worker, epoch, expires)
+        return None
+
+    def renew(self, claim: Claim) -> None:
+        """Extend the lease by lease_seconds (heartbeat); raises LeaseLostError if it was taken over."""
+        self._check_held(claim)
+        renewal, expires = claim.renewals + 1, self.clock() + self.lease_seconds
+        self.store.create_bytes(self._lease_key(claim.item_id, claim.epoch, renewal),
+                                json_bytes({"worker": claim.worker, "epoch": claim.epoch, "renewal": renewal,
+                                            "expires": expires}))
+        claim.renewals, claim.expires = renewal, expires
+
+    def release(self, claim: Claim) -> None:
+        """Hand the item back now, so another worker can claim it without waiting for expiry."""
+        try:
+            self.store.create_bytes(f"{self.prefix}/leases/{claim.item_id}/{claim.epoch:06d}-released",
+                                    json_bytes({"worker": claim.worker, "epoch": claim.epoch, "at": self.clock()}))
+        except AlreadyExistsError:
+            pass
+
+    def _check_held(self, claim: Claim) -> None:
+        names = self._lease_names(claim.item_id)
+        newer = [e for e, _ in names if e > claim.epoch]
+        if newer or (claim.epoch, "released") in names:
+            raise LeaseLostError(f"{claim.worker} lost its lease on {self.prefix}/{claim.item_id} (epoch {claim.epoch}): "
+                                 + (f"epoch {max(newer)} took over" if newer else "it was released"))
+
+    def _lease_key(self, item_id: str, epoch: int, renewal: int) -> str:
+        return f"{self.prefix}/leases/{item_id}/{epoch:06d}-{renewal:06d}"
+
+    def _lease_names(self, item_id: str) -> list[tuple[int, str]]:
+        out = []
+        for name in self.store.list(f"{self.prefix}/leases/{item_id}"):
+            m = LEASE.fullmatch(name)
+            if m:
+                out.append((int(m.group(1)), m.group(2)))
+        return out
+
+    def _lease_state(self, item_id: str) -> _LeaseState:
+        names = self._lease_names(item_id)
+        if not names:
+            return _LeaseState(None, None, 0.0, False)
+        epoch = max(e for e, _ in names)
+        if (epoch, "released") in names:
+            return _LeaseState(epoch, None, 0.0, True)
+        renewal = max(int(r) for e, r in names if e == epoch and r != "released")
+        lease = self.store.get_json(self._lease_key(item_id, epoch, renewal))
+        return _LeaseState(epoch, lease["worker"], lease["expires"], False)
+
+    # -- results -----------------------------------------------------------------------------
+    def record(self, claim: Claim, results: dict[str, Any]) -> int:
+        """Commit finished units now (create-only per unit: a unit recorded twice keeps its first result).
+
+        Returns how many units this call recorded first."""
+        units = set(claim.item["units"])
+        unknown = sorted(set(results) - units)
+        if unknown:
+            raise QueueError(f"item {claim.item_id!r} has no units {unknown[:5]}")
+        new = 0
+        for unit, result in results.items():
+            try:
+                self.store.create_bytes(f"{self.prefix}/units/{claim.item_id}/{unit}",
+                                        json_bytes({"result": result, "worker": claim.worker, "epoch": claim.epoch}))
+                new += 1
+            except AlreadyExistsError:
+                pass
+        return new
+
+    def complete(self, claim: Claim) -> bool:
+        """Create the item's done marker; True for exactly one worker, False if another completed it."""
+        pending = self.pending_units(claim.item_id)
+        if pending:
+            raise QueueError(f"cannot complete {self.prefix}/{claim.item_id}: {len(pending)} units not recorded "
+                             f"(e.g. {pending[:3]})")
+        try:
+            self.store.create_bytes(f"{self.prefix}/done/{claim.item_id}",
+                                    json_bytes({"worker": claim.worker, "epoch": claim.epoch, "at": self.clock()}))
+            return True
+        except AlreadyExistsError:
+            return False
+
+    def done_by(self, item_id: str) -> str | None:
+        """The worker whose complete() won for the item, or None if not done."""
+        try:
+            return self.store.get_json(f"{self.prefix}/done/{item_id}")["worker"]
+        except StoreError:
+            return None
+
+    def pending_units(self, item_id: str) -> list[str]:
+        """The item's units nobody has recorded yet, in item order."""
+        recorded = self._recorded(item_id)
+        return [u for u in self.item(item_id)["units"] if u not in recorded]
+
+    def results(self) -> dict[str, Any]:
+        """All recorded units of all items: {unit: result}."""
+        out: dict[str, Any] = {}
+        for item in self.items():
+            for unit in self._recorded(item["id"]):
+                if unit not in self._unit_cache:  # immutable once written, so cached for good
+                    self._unit_cache[unit] = self.store.get_json(f"{self.prefix}/units/{item['id']}/{unit}")
+                out[unit] = self._unit_cache[unit]["result"]
+        return out
+
+    def status(self) -> dict[str, int]:
+        items, done, now = self.items(), self._done(), self.clock()
+        leased = sum(1 for it in items if it["id"] not in done and not self._lease_state(it["id"]).free(now))
+        return {"items": len(items), "done": len(done), "leased": leased, "free": len(items) - len(done) - leased,
+                "units_done": sum(len(self._recorded(it["id"])) for it in items),
+                "units_total": sum(len(it["units"]) for it in items)}
+
+    def drained(self) -> bool:
+        """All items done (False before publish: there is work to wait for)."""
+        items = self.items()
+        return bool(items) and len(self._done()) == len(items)
+
+    def _done(self) -> set[str]:
+        return {n for n in self.store.list(f"{self.prefix}/done") if NAME.fullmatch(n)}
+
+    def _recorded(self, item_id: str) -> set[str]:
+        units = set(self.item(item_id)["units"])
+        return {n for n in self.store.list(f"{self.prefix}/units/{item_id}") if n in units}
+
+
+def _check_name(name: Any, what: str) -> None:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise QueueError(f"bad {what} name {name!r}: use 1-200 of A-Z a-z 0-9 _ = + - (it becomes a store key)")
+
+
+def _validate(items: list[dict[str, Any]]) -> None:
+    ids: set[str] = set()
+    units: set[str] = set()
+    for item in items:
+        if not isinstance(item, dict) or "id" not in item or not isinstance(item.get("units"), list):
+            raise QueueError(f"a queue item is a dict with 'id' and a list 'units', got {item!r:.200}")
+        _check_name(item["id"], "item")
+        if item["id"] in ids:
+            raise QueueError(f"duplicate item id {item['id']!r}")
+        ids.add(item["id"])
+        for unit in item["units"]:
+            _check_name(unit, "unit")
+            if unit in units:
+                raise QueueError(f"unit {unit!r} appears twice (units are unique across a queue's items)")
+            units.add(unit)

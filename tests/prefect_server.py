@@ -1,0 +1,91 @@
+"""A real local Prefect server (``prefect server start``) for tests: free port, private home, own SQLite DB.
+
+Tests talk to it the way users do: the ``prefect`` CLI and the Python client, both pointed at it by
+``PREFECT_API_URL`` in the environment this helper builds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PrefectServer:
+    url: str  # http://127.0.0.1:PORT (the UI)
+    env: dict[str, str]  # an environment whose CLI/client calls go to this server
+    log: Path
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/api"
+
+    def cli(self, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run ``prefect ARGS`` against this server; a failure raises with the command's output."""
+        proc = subprocess.run([PREFECT, *args], cwd=cwd, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"prefect {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/api/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"prefect server at {url} not healthy after {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def prefect_server(home: Path, timeout: float = 120) -> Iterator[PrefectServer]:
+    """Start ``prefect server start`` on a free port with PREFECT_HOME and its SQLite DB under ``home``."""
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        PREFECT_HOME=str(home),
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        PREFECT_API_URL=f"{url}/api",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_CLI_PROMPT="false",
+    )
+    log = home / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(url, proc, log, timeout)
+        yield PrefectServer(url, env, log)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,58 @@
+"""Bad input fails before any compute, with a message that names the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spotlight.config import ConfigError, load_config
+from tests.conftest import REPO, run_cli, spotlight_cmd
+
+
+def test_default_config_file_matches_defaults():
+    assert load_config(REPO / "configs/tiny.yaml") == load_config(None)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("grpo.learning_rate=1e-3", "grpo.learning_rate: unknown key"),
+    ("sampler.nonsense=1", "sampler.nonsense: unknown key"),
+    ("grpo.group_size=0", "group size must be >= 2"),
+    ("grpo.group_size=-4", "group size must be >= 2"),
+    ("rewards.train=aesthetic", "unknown reward 'aesthetic'"),
+    ("rewards.eval=nope", "known rewards: digit_classifier, heldout_classifier, jpeg_compressibility"),
+    ("exploration.mode=fast", "exploration.mode"),
+])
+def test_bad_values_are_named(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/tiny.yaml", [override])
+    assert needle in str(err.value)
+
+
+def test_unknown_key_in_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  iterations: 2\n  gruop_size: 4\n")
+    with pytest.raises(ConfigError, match=r"grpo.gruop_size: unknown key"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("grpo.group_size=0", "group size must be >= 2"),
+    ("rewards.train=aesthetic", "unknown reward 'aesthetic'"),
+    ("grpo.bogus=1", "grpo.bogus: unknown key"),
+])
+def test_cli_fails_before_any_compute(tmp_path: Path, override, needle):
+    result = run_cli(spotlight_cmd("run", overrides=[override, f"run.url=file://{tmp_path}/run"]), tmp_path, 120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert needle in result.stdout + result.stderr
+    assert not (tmp_path / "run").exists(), "nothing may be written before the config is valid"
+    assert not (tmp_path / "prefect-home").exists() or not any((tmp_path / "prefect-home").rglob("*.db")), \
+        "Prefect must not even start"
+
+
+def test_run_refuses_a_different_config(tmp_path, small_overrides):
+    from spotlight.stages import open_run
+
+    open_run(load_config(REPO / "configs/tiny.yaml", small_overrides))
+    with pytest.raises(ConfigError, match=r"grpo.lr: 0.0001 \(started\) vs 0.5 \(now\)"):
+        open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, "grpo.lr=0.5"]))

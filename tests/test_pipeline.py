@@ -1,0 +1,109 @@
+"""The whole pipeline through the real CLI and Prefect flow: outputs, kill -9 resume, corrupt checkpoints."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from spotlight.store import RunStore
+from tests.conftest import cli_env, run_cli, spotlight_cmd
+
+FINAL = "iterations/0002/update"
+
+
+def test_run_writes_report_and_resumes_without_recomputing(tmp_path: Path, small_overrides):
+    result = run_cli(spotlight_cmd("run", overrides=small_overrides), tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = tmp_path / "run"
+    for name in ("reward_curve.png", "samples_before_after.png", "summary.json"):
+        assert (run / "report" / name).stat().st_size > 1000 or name == "summary.json"
+    assert "held-out reward, theta_3" in result.stdout and "samples_before_after.png" in result.stdout
+    store = RunStore(f"file://{run}")
+    policy_mtime = (run / FINAL / "policy.safetensors").stat().st_mtime_ns
+    again = run_cli(spotlight_cmd("run", overrides=small_overrides), tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (run / FINAL / "policy.safetensors").stat().st_mtime_ns == policy_mtime, "committed work is not redone"
+    assert store.load(FINAL).json("metrics.json")["first_log_ratio"] < 1e-4
+
+
+def _policy_bytes(run: Path) -> bytes:
+    commit = RunStore(f"file://{run}").load(FINAL)
+    return commit.read("policy.safetensors") + commit.read("optimizer.safetensors")
+
+
+def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path: Path, cache_url):
+    from tests.conftest import SMALL
+
+    reference = tmp_path / "reference"
+    ref_overrides = [*SMALL, f"run.cache_url={cache_url}", f"run.url=file://{reference}"]
+    assert run_cli(spotlight_cmd("run", overrides=ref_overrides), tmp_path).returncode == 0
+
+    # A fresh cache too, so the kill can land in pretraining as well as in any RL stage.
+    killed = tmp_path / "killed"
+    overrides = [*SMALL, f"run.cache_url=file://{tmp_path}/cache2", f"run.url=file://{killed}"]
+    rng = random.Random(1234)
+    kills = 0
+    for attempt in range(6):
+        proc = subprocess.Popen(spotlight_cmd("run", overrides=overrides), cwd=tmp_path, env=cli_env(tmp_path),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        delay = rng.uniform(3.0, 25.0)
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole machine dies: flow, Prefect's server, everything
+            proc.wait()
+            kills += 1
+            continue
+        assert proc.returncode == 0
+        break
+    else:
+        result = run_cli(spotlight_cmd("run", overrides=overrides), tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert kills >= 1, "the test must actually kill a run"
+    assert _policy_bytes(killed) == _policy_bytes(reference)
+    assert _base_bytes(tmp_path / "cache2") == _base_bytes(Path(cache_url.removeprefix("file://")))
+
+
+def _base_bytes(cache: Path) -> bytes:
+    [final] = list(cache.glob("base-*/final/ema.safetensors"))
+    return final.read_bytes()
+
+
+def test_corrupt_checkpoint_fails_naming_the_object_and_loses_nothing(tmp_path: Path, small_overrides):
+    result = run_cli(spotlight_cmd("run", overrides=[*small_overrides, "grpo.iterations=2"]), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    obj = tmp_path / "run/iterations/0001/update/policy.safetensors"
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    obj.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    # resuming needs theta_2, i.e. that object: it must fail loudly, not retrain or overwrite
+    result = run_cli(spotlight_cmd("stage", "update", "--iteration", "2", overrides=[*small_overrides, "grpo.iterations=2"]),
+                     tmp_path)
+    assert result.returncode == 2
+    out = " ".join((result.stdout + result.stderr).split())
+    assert "corrupt object" in out and "iterations/0001/update/policy.safetensors" in out
+    assert all(p.is_file() and p.read_bytes() == data for p, data in before.items()), \
+        "nothing committed is changed or removed"
+
+
+def test_library_never_imports_prefect_or_sky():
+    import ast
+    import sys
+
+    root = Path(__file__).resolve().parents[1] / "spotlight"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert name.split(".")[0] not in ("prefect", "sky"), f"{path} imports {name}"
+    modules = [f"spotlight.{'.'.join(p.relative_to(root).with_suffix('').parts)}" for p in root.rglob("*.py")
+               if p.name != "__init__.py"]
+    code = f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; " \
+           "bad = [m for m in sys.modules if m.split('.')[0] in ('prefect', 'sky')]; assert not bad, bad"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0

@@ -1,0 +1,338 @@
+"""The exploration work queue: lease epochs, create-only claims and completions, and real worker
+processes that get SIGTERM, kill -9 and races, ending with the same results table as a fault-free run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from queue_handler import handler, make_items, unit_result
+from spotlight.store import RunStore
+from spotlight.work_queue import Claim, LeaseLostError, QueueError, WorkQueue
+from spotlight.worker import run_worker
+
+HANDLER = Path(__file__).with_name("queue_handler.py")
+REPO = HANDLER.parents[1]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def make_store(kind: str, tmp_path: Path, moto_endpoint: str | None) -> RunStore:
+    if kind == "file":
+        return RunStore(f"file://{tmp_path}/run")
+    bucket = f"queue-{uuid.uuid4().hex[:12]}"
+    opts = {"key": "fake-key", "secret": "fake-secret",
+            "client_kwargs": {"endpoint_url": moto_endpoint, "region_name": "eu-west-1"}}
+    store = RunStore(f"s3://{bucket}/run", storage_options=opts)
+    store.fs.mkdir(bucket)
+    return store
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path) -> RunStore:
+    return make_store(request.param, tmp_path, request.getfixturevalue("moto_endpoint") if request.param == "s3" else None)
+
+
+# -- lease epochs, with an injected clock ------------------------------------------------------------
+def lease_scenario(store: RunStore) -> list[Any]:
+    """Claim, renew, expiry, takeover, zombie writes, release; returns what it observed (no timestamps)."""
+    clock, seen = FakeClock(), []
+    qa, qb = (WorkQueue(store, "q", lease_seconds=10, clock=clock) for _ in range(2))  # two workers' views
+    qa.publish(make_items(2, 3, 0.0))
+    a = qa.claim("wa")
+    b_first = qb.claim("wb")
+    assert a is not None and b_first is not None and a.epoch == b_first.epoch == 0 and a.item_id != b_first.item_id
+    qb.release(b_first)
+    with pytest.raises(LeaseLostError, match="released"):
+        qb.renew(b_first)
+    seen.append(qb.status())
+    assert qb.status() == {"items": 2, "done": 0, "leased": 1, "free": 1, "units_done": 0, "units_total": 6}
+
+    clock.now += 8
+    qa.renew(a)  # heartbeat: expires at +18 instead of +10
+    b = qb.claim("wb")
+    assert b is not None and b.item_id == b_first.item_id and b.epoch == 1, "a released item is claimable at once"
+    assert qb.claim("wc") is None, "the other item is still leased"
+    clock.now += 7  # +15: past the first expiry, before the renewed one
+    assert qb.claim("wc") is None, "renew extended the lease"
+    qb.renew(b)
+    clock.now += 3  # +18: expired
+    c = qb.claim("wc")
+    assert c is not None and c.item_id == a.item_id and c.epoch == 1, "an expired lease is taken over by the next epoch"
+    with pytest.raises(LeaseLostError, match="epoch 1 took over"):
+        qa.renew(a)
+
+    units = a.item["units"]
+    seen.append(qa.record(a, {units[0]: "from the zombie"}))  # the old holder did not notice yet
+    seen.append(qb.record(c, {units[0]: "from the new holder", units[1]: "u1"}))
+    assert qb.pending_units(c.item_id) == units[2:], "a re-claimed item skips recorded units"
+    with pytest.raises(QueueError, match="1 units not recorded"):
+        qb.complete(c)
+    qb.record(c, {units[2]: "u2"})
+    done = [qa.complete(a), qb.complete(c)]
+    assert done == [True, False], "exactly one completion; the other learns it lost"
+    seen += [done, qb.done_by(a.item_id), qb.results()]
+    assert qb.results()[units[0]] == "from the zombie", "a unit recorded twice keeps the first result"
+    seen.append(qa.status())
+    return seen
+
+
+def test_lease_epochs_expiry_renew_takeover(store):
+    seen = lease_scenario(store)
+    assert seen[-1] == {"items": 2, "done": 1, "leased": 1, "free": 0, "units_done": 3, "units_total": 6}
+
+
+def test_local_and_s3_queues_behave_the_same(tmp_path, moto_endpoint):
+    local, s3 = make_store("file", tmp_path, None), make_store("s3", tmp_path, moto_endpoint)
+    assert lease_scenario(local) == lease_scenario(s3)
+    tables = []
+    for store in (local, s3):
+        queue = WorkQueue(store, "drain", lease_seconds=5)
+        queue.publish(make_items(3, 4, 0.0))
+        stats = run_worker(queue, handler, worker_id="w", batch_units=3)
+        assert sorted(stats["items_completed"]) == ["i000", "i001", "i002"]
+        assert queue.drained() and stats["units_done"] == 12 and stats["utilisation"] == 1.0
+        tables.append(queue.results())
+    assert tables[0] == tables[1] == {u: unit_result(u) for it in make_items(3, 4, 0.0) for u in it["units"]}
+
+
+def test_publish_is_one_commit_idempotent_and_validated(tmp_path):
+    store = RunStore(f"file://{tmp_path}/run")
+    queue = WorkQueue(store, "q")
+    store.write_bytes("q/items/items.json", b"[half a publish")  # objects without their manifest
+    assert not queue.published() and queue.claim("w") is None and not queue.drained() and queue.items() == []
+    items = make_items(2, 2, 0.0)
+    queue.publish(items)
+    queue.publish(items)  # same items: a no-op
+    assert WorkQueue(store, "q").items() == items
+    with pytest.raises(QueueError, match="already holds 2 other items"):
+        WorkQueue(store, "q").publish(make_items(3, 2, 0.0))
+    with pytest.raises(QueueError, match="bad unit name 'a/b'"):
+        WorkQueue(store, "x").publish([{"id": "i", "units": ["a/b"]}])
+    with pytest.raises(QueueError, match="appears twice"):
+        WorkQueue(store, "x").publish([{"id": "i", "units": ["u"]}, {"id": "j", "units": ["u"]}])
+    claim = queue.claim("w")
+    with pytest.raises(QueueError, match="has no units"):
+        queue.record(claim, {"nonsense": 1})
+
+
+def race(n: int, fn: Callable[[int], Any]) -> list[Any]:
+    """Run fn(0..n-1) in n threads released together."""
+    barrier, out = threading.Barrier(n), [None] * n
+
+    def go(i: int) -> None:
+        barrier.wait()
+        out[i] = fn(i)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_racing_threads_never_share_a_lease_epoch_or_a_completion(tmp_path):
+    store, clock, n = RunStore(f"file://{tmp_path}/run"), FakeClock(), 8
+    queues = [WorkQueue(store, "q", lease_seconds=10, clock=clock) for _ in range(n)]  # separate objects
+    queues[0].publish(make_items(1, 2, 0.0))
+    claims: list[Claim] = []
+    for _ in range(3):  # epochs 0, 1, 2: each raced by n workers after the previous one expired
+        won = [c for c in race(n, lambda i: queues[i].claim(f"w{i}")) if c is not None]
+        assert len(won) == 1 and won[0].epoch == len(claims)
+        claims.append(won[0])
+        clock.now += 11
+    queues[0].record(claims[0], {u: unit_result(u) for u in claims[0].item["units"]})
+    completed = race(3 * 4, lambda i: queues[i % n].complete(claims[i % 3]))
+    assert completed.count(True) == 1
+    assert queues[0].done_by("i000") == claims[completed.index(True) % 3].worker
+
+
+def test_failing_handler_keeps_finished_units_and_hands_the_item_back(tmp_path):
+    queue = WorkQueue(RunStore(f"file://{tmp_path}/run"), "q", lease_seconds=60)
+    queue.publish(make_items(1, 5, 0.0))
+
+    def broken(item: dict[str, Any], units: list[str]):
+        for unit in units:
+            if unit.endswith("u03"):
+                raise RuntimeError("reward model fell over")
+            yield unit, unit_result(unit)
+
+    with pytest.raises(RuntimeError, match="fell over"):
+        run_worker(queue, broken, worker_id="w", batch_units=5)
+    assert sorted(queue.results()) == ["i000-u00", "i000-u01", "i000-u02"]
+    claim = queue.claim("other")
+    assert claim is not None and claim.epoch == 1, "released, not stuck behind a 60 s lease"
+
+
+def test_worker_that_lost_its_lease_stops_without_completing(tmp_path):
+    """A worker presumed dead (its lease expired, e.g. a long pause) learns it at its next heartbeat."""
+    store = RunStore(f"file://{tmp_path}/run")
+    queue = WorkQueue(store, "q", lease_seconds=0.6)
+    queue.publish(make_items(1, 6, 0.0))
+    thief = WorkQueue(store, "q", lease_seconds=60, clock=lambda: time.time() + 3600)  # sees the lease expired
+    stolen: list[Claim] = []
+
+    def slow(item: dict[str, Any], units: list[str]):
+        for unit in units:
+            if not stolen:
+                stolen.append(thief.claim("thief"))
+            time.sleep(0.25)
+            yield unit, unit_result(unit)
+
+    stats = run_worker(queue, slow, worker_id="w", poll_seconds=0.05, idle_exit_seconds=0.0)
+    assert stolen[0].epoch == 1 and stats["leases_lost"] == ["i000"] and not stats["items_completed"]
+    assert 1 <= stats["units_done"] < 6
+    thief.record(stolen[0], {u: unit_result(u) for u in thief.pending_units("i000")})
+    assert thief.complete(stolen[0]) and queue.done_by("i000") == "thief"
+
+
+# -- real worker processes -----------------------------------------------------------------------------
+def spawn(url: str, prefix: str, worker: str, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(HANDLER), url, prefix, worker, *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def ready(*procs: subprocess.Popen) -> None:
+    """Wait until each worker has installed its SIGTERM handler (its first stdout line)."""
+    for proc in procs:
+        line = proc.stdout.readline()
+        assert line.startswith('{"ready"'), f"worker did not start: {line!r} {proc.stderr.read()[-3000:]}"
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, dict[str, Any] | None]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = out.strip().splitlines()
+    assert proc.returncode in (0, -signal.SIGKILL), f"worker failed (rc {proc.returncode}):\n{err[-3000:]}"
+    return proc.returncode, json.loads(lines[-1]) if lines else None
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 30, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def recorded(queue: WorkQueue, item_id: str) -> int:
+    return len(queue.item(item_id)["units"]) - len(queue.pending_units(item_id))
+
+
+def lease_objects(store: RunStore, prefix: str, item_id: str) -> list[str]:
+    return [n for n in store.list(f"{prefix}/leases/{item_id}") if "." not in n]
+
+
+def test_sigterm_records_finished_units_releases_the_item_and_exits_0(tmp_path):
+    url = f"file://{tmp_path}/run"
+    queue = WorkQueue(RunStore(url), "q", lease_seconds=60)
+    queue.publish(make_items(1, 10, 0.2))
+    proc = spawn(url, "q", "spot-a", "--lease", "60")
+    ready(proc)
+    wait_until(lambda: recorded(queue, "i000") >= 2, what="the worker to record 2 units")
+    proc.send_signal(signal.SIGTERM)
+    rc, stats = finish(proc, timeout=10)
+    assert rc == 0 and stats["stopped"] and stats["items_released"] == ["i000"] and not stats["items_completed"]
+    results = queue.results()
+    assert 2 <= len(results) < 10 and stats["units_done"] == len(results)
+    assert results == {u: unit_result(u) for u in results}, "its finished units are committed"
+    claim = queue.claim("spot-b")  # the 60 s lease is far from expiry: only the release makes this possible
+    assert claim is not None and claim.epoch == 1
+    assert queue.pending_units("i000") == queue.item("i000")["units"][len(results):]
+    queue.release(claim)
+    stats_b = run_worker(queue, handler, worker_id="spot-b", poll_seconds=0.05)
+    assert stats_b["units_done"] == 10 - len(results) and queue.drained()
+    assert queue.results() == {u: unit_result(u) for u in queue.item("i000")["units"]}
+
+
+def test_kill9_loses_only_unrecorded_units_and_lease_expiry_requeues_the_item(tmp_path):
+    url, lease = f"file://{tmp_path}/run", 3.0
+    store = RunStore(url)
+    queue = WorkQueue(store, "q", lease_seconds=lease)
+    queue.publish(make_items(1, 10, 0.2))
+    proc = spawn(url, "q", "spot-a", "--lease", str(lease))
+    wait_until(lambda: recorded(queue, "i000") >= 3, what="the worker to record 3 units")
+    proc.kill()
+    assert finish(proc)[0] == -signal.SIGKILL
+    before = queue.results()
+    assert queue.claim("spot-x") is None, "the dead worker's lease has not expired yet"
+    last_expiry = max(store.get_json(f"q/leases/i000/{n}")["expires"] for n in lease_objects(store, "q", "i000"))
+    rc, stats = finish(spawn(url, "q", "spot-b", "--lease", str(lease)))
+    assert rc == 0 and stats["items_completed"] == ["i000"]
+    assert stats["units_done"] == 10 - len(before), "the re-claimed item skipped the recorded units"
+    takeover = store.get_json("q/leases/i000/000001-000000")
+    assert takeover["worker"] == "spot-b" and takeover["expires"] - lease >= last_expiry, "claimed only after expiry"
+    assert queue.results() == {u: unit_result(u) for u in queue.item("i000")["units"]}
+
+
+def test_racing_worker_processes_complete_each_item_exactly_once(tmp_path):
+    url = f"file://{tmp_path}/run"
+    queue = WorkQueue(RunStore(url), "q", lease_seconds=10)
+    procs = [spawn(url, "q", f"spot-{i}", "--poll", "0.1") for i in range(4)]
+    ready(*procs)  # every worker is polling; publish now, so they all race from the first claim
+    items = make_items(40, 2, 0.01)
+    queue.publish(items)
+    stats = [finish(p)[1] for p in procs]
+    completions = [item for s in stats for item in s["items_completed"]]
+    assert sorted(completions) == [it["id"] for it in items], "complete() returned True exactly once per item"
+    for s in stats:
+        assert all(queue.done_by(item) == s["worker"] for item in s["items_completed"])
+    assert sum(1 for s in stats if s["items_completed"]) >= 2, "the work was shared"
+    assert queue.results() == {u: unit_result(u) for it in items for u in it["units"]}
+
+
+def test_results_after_sigterm_kill9_and_races_equal_a_fault_free_run(tmp_path):
+    url, lease = f"file://{tmp_path}/run", 1.5
+    items = make_items(8, 5, 0.08)
+    clean = WorkQueue(RunStore(url), "clean", lease_seconds=lease)
+    clean.publish(items)
+    clean_stats = run_worker(clean, handler, worker_id="solo", batch_units=2)
+    assert sorted(clean_stats["items_completed"]) == [it["id"] for it in items]
+
+    store = RunStore(url)
+    faulty = WorkQueue(store, "faulty", lease_seconds=lease)
+    procs = {name: spawn(url, "faulty", name, "--lease", str(lease), "--batch", "2", "--poll", "0.05")
+             for name in ("term", "kill", "steady")}
+    ready(*procs.values())
+    faulty.publish(items)
+    wait_until(lambda: faulty.status()["units_done"] >= 6, what="6 units")
+    procs["term"].send_signal(signal.SIGTERM)
+    wait_until(lambda: faulty.status()["units_done"] >= 14, what="14 units")
+    procs["kill"].kill()
+    late = spawn(url, "faulty", "late", "--lease", str(lease), "--batch", "2", "--poll", "0.05")
+    rc_term, term = finish(procs["term"])
+    rc_kill, _ = finish(procs["kill"])
+    rc_steady, steady = finish(procs["steady"])
+    rc_late, late_stats = finish(late)
+    assert (rc_term, rc_kill, rc_steady, rc_late) == (0, -signal.SIGKILL, 0, 0)
+    assert term["stopped"] and not steady["stopped"] and faulty.drained()
+    taken_over = [it["id"] for it in items if "000001-000000" in lease_objects(store, "faulty", it["id"])]
+    assert taken_over, "some item was released or expired and claimed again"
+    assert faulty.results() == clean.results() == {u: unit_result(u) for it in items for u in it["units"]}
