@@ -58,35 +58,39 @@ def main(
     started = time.perf_counter()
     console.print(
         f"model={model} item_shape={item_shape} device={device} torch={torch.__version__} "
-        f"threads={torch.get_num_threads()} load avg 1 min (this bench adds ~2)={os.getloadavg()[0]:.2f} repeats={repeats} (+1 warm-up) per cell, batch sizes={sizes}"
+        f"threads={torch.get_num_threads()} load avg 1 min={os.getloadavg()[0]:.2f} (before start) "
+        f"repeats={repeats} (+1 warm-up) per cell, batch sizes={sizes}"
     )
 
     inputs = {b: rr.seeded_batch(b, item_shape, seed=b) for b in sizes}
-    rows: dict[str, dict[int, dict]] = {}
-    refs: dict[int, torch.Tensor] = {}  # eager's outputs, the parity reference for every runtime
+    scorers: dict[str, rr.Scorer] = {}
     builds: dict[str, str] = {}
     for runtime in rr.RUNTIMES:
         try:
             t0 = time.perf_counter()
-            scorer = rr.make_scorer(net, item_shape, runtime=runtime, batch_size=rl_batch_size, device=device)
+            scorers[runtime] = rr.make_scorer(net, item_shape, runtime=runtime, batch_size=rl_batch_size,
+                                              device=device)
             builds[runtime] = f"{time.perf_counter() - t0:.1f}"
         except rr.RuntimeRefused as e:
             builds[runtime] = f"refused: {e}"
-            continue
-        rows[runtime] = {}
-        for b in sizes:
+    console.print(f"  built {list(scorers)} ({time.perf_counter() - started:.0f}s elapsed)")
+
+    rows: dict[str, dict[int, dict]] = {runtime: {} for runtime in scorers}
+    for b in sizes:
+        ref = None
+        for runtime, scorer in scorers.items():  # eager first: it is the parity reference
             t0 = time.perf_counter()
             out = scorer(inputs[b])  # the warm-up; compiles this bucket if not yet compiled
-            first_s = time.perf_counter() - t0
-            refs.setdefault(b, out)  # eager runs first
-            stats = rr.latency_stats(rr.measure_latency(scorer, inputs[b], warmup=0, min_repeats=repeats,
-                                                        max_repeats=repeats))
-            rows[runtime][b] = {**stats, "first_s": first_s,
-                                "parity": rr.parity_error(out, refs[b])}
-        console.print(f"  measured {runtime} ({time.perf_counter() - started:.0f}s elapsed)")
-        del scorer
+            rows[runtime][b] = {"first_s": time.perf_counter() - t0}
+            ref = out if ref is None else ref
+            rows[runtime][b]["parity"] = rr.parity_error(out, ref)
+        timings = rr.measure_interleaved(scorers, inputs[b], warmup=0, min_repeats=repeats, max_repeats=repeats)
+        for runtime, times in timings.items():
+            rows[runtime][b].update(rr.latency_stats(times))
+        console.print(f"  measured batch {b} ({time.perf_counter() - started:.0f}s elapsed)")
+    del scorers
 
-    table = Table(title=f"Reward scoring runtimes: {model} on {device} (median of {repeats} fresh calls)")
+    table = Table(title=f"Reward scoring runtimes: {model} on {device} (median of {repeats} interleaved fresh calls)")
     for col in ("runtime", "batch", "p50 ms", "p95 ms", "img/s", "x eager", "parity err", "first call s"):
         table.add_column(col, justify="left" if col == "runtime" else "right")
     for b in sizes:
@@ -123,7 +127,7 @@ def main(
                            cache_url=cache_url, model_name=model)
     console.print(f"auto again (same key): {again.runtime}, from_cache={again.report['from_cache']}, "
                   f"{time.perf_counter() - t0:.1f}s; cache: {auto.report['cache_dir']}")
-    console.print(f"total bench time {time.perf_counter() - started:.0f}s")
+    console.print(f"total bench time {time.perf_counter() - started:.0f}s, load avg 1 min now {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

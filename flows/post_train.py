@@ -2,10 +2,17 @@
 
 Read it top to bottom: it is the recipe. Everything it calls is a thin task over a pure,
 idempotent stage function, so re-running the flow on the same run URL resumes from the last commit.
+
+Exploration modes (config ``exploration.mode``):
+  none       explore(t) draws G random seeds; nothing is rolled out.
+  sync       explore(t) rolls out candidates with theta_t on the critical path, then filter, update.
+  spotlight  explore(t+1) runs on the workers with theta_t while update(t) runs: off the critical path.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -13,29 +20,50 @@ from prefect import flow, get_run_logger
 from spotlight.config import load_config
 from tasks import stages as t
 from tasks.artifacts import publish_iteration, publish_run
+from tasks.launcher import on_flow_cancellation
+from tasks.workers import local_workers
 
 
-@flow(name="spotlight-post-train")
+@flow(name="spotlight-post-train", on_cancellation=[on_flow_cancellation])
 def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = None,
                overrides: list[str] | None = None) -> dict[str, Any]:
     """Flow-GRPO post-training of the configured policy, committing every stage to the run store."""
     cfg = load_config(config_path, [*(overrides or []), *([f"run.url={run_url}"] if run_url else [])])
-    config = cfg.model_dump(mode="json")
+    if cfg.run.cpus:
+        os.sched_setaffinity(0, set(cfg.run.cpus))
+    config, mode, n = cfg.model_dump(mode="json"), cfg.exploration.mode, cfg.grpo.iterations
     log = get_run_logger()
-    log.info("run %s (exploration mode %s, %d iterations)", cfg.run_url, cfg.exploration.mode, cfg.grpo.iterations)
+    log.info("run %s (exploration mode %s, %d iterations)", cfg.run_url, mode, n)
     t.pretrain(config)
     evaluations = set(t.open_run(config).eval_iterations())
     t.evaluate(config, 0)
-    for it in range(cfg.grpo.iterations):
-        t.explore(config, it)
-        t.filter_seeds(config, it)
-        metrics = t.update(config, it)
-        line = f"iteration {it}: train reward {metrics['train_reward_mean']:.3f}"
-        evaluated = t.evaluate(config, it + 1) if it + 1 in evaluations else None
-        if evaluated:
-            line += f", held-out reward of theta_{it + 1} {evaluated['eval_reward']:.3f}"
-        log.info(line)
-        publish_iteration(config, it, metrics, evaluated)
+    with local_workers(cfg):
+        if mode == "spotlight":
+            t.explore(config, 0)  # the first exploration has no stale policy to overlap with
+        for it in range(n):
+            started = time.perf_counter()
+            explore_wait = t.explore(config, it) if mode != "spotlight" else 0.0
+            t.filter_seeds(config, it)
+            ahead = t.explore.submit(config, it + 1) if mode == "spotlight" and it + 1 < n else None
+            update_started = time.perf_counter()
+            t.update(config, it)
+            update_seconds = time.perf_counter() - update_started
+            if ahead is not None:
+                wait_started = time.perf_counter()
+                ahead.result()
+                explore_wait = time.perf_counter() - wait_started  # exploration that outlasted the update
+            timing = {"critical_path_seconds": time.perf_counter() - started, "update_seconds": update_seconds,
+                      "explore_wait_seconds": explore_wait}
+            if mode == "spotlight" and cfg.exploration.ranking_every and (it + 1) % cfg.exploration.ranking_every == 0 \
+                    and it + 1 < n:
+                t.ranking(config, it + 1)
+            metrics = t.record_iteration(config, it, timing)
+            line = f"iteration {it}: train reward {metrics['train_reward_mean']:.3f}"
+            evaluated = t.evaluate(config, it + 1) if it + 1 in evaluations else None
+            if evaluated:
+                line += f", held-out reward of theta_{it + 1} {evaluated['eval_reward']:.3f}"
+            log.info(line)
+            publish_iteration(config, it, metrics, evaluated)
     summary = t.report(config)
     publish_run(config, summary)
     return summary

@@ -71,12 +71,15 @@ def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Opt
 @app.command()
 def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (file://... or s3://...)"),
            worker_id: Optional[str] = typer.Option(None, "--id", help="worker name; default host-pid"),
-           lease_seconds: float = typer.Option(60.0, "--lease-seconds", help="lease length; renewed every third"),
-           idle_exit: float = typer.Option(0.0, "--idle-exit", help="exit after this long with no claimable work")) -> None:
+           lease_seconds: Optional[float] = typer.Option(
+               None, "--lease-seconds", help="lease length, renewed every third; default: the run's exploration.lease_seconds"),
+           idle_exit: float = typer.Option(0.0, "--idle-exit", help="exit after this long with no claimable work"),
+           poll_seconds: float = typer.Option(0.5, "--poll-seconds", help="how often to look for new work")) -> None:
     """Explore seeds for a run: pull items from its exploration queues until none is left (SIGTERM-safe)."""
     from spotlight.worker import work_on_run
 
-    stats = work_on_run(run_url, worker_id=worker_id, lease_seconds=lease_seconds, idle_exit_seconds=idle_exit)
+    stats = work_on_run(run_url, worker_id=worker_id, lease_seconds=lease_seconds, idle_exit_seconds=idle_exit,
+                        poll_seconds=poll_seconds)
     table = Table(title=f"worker {stats['worker']} on {run_url}")
     table.add_column("what")
     table.add_column("value")

@@ -26,6 +26,7 @@ class RunSection(Section):
     cache_url: str | None = Field(None, description="where pretrained bases are cached; default <runs root>/_cache")
     seed: int = 0
     threads: int = Field(1, ge=1, description="torch threads; fixed so results are bit-reproducible")
+    cpus: list[int] | None = Field(None, description="pin the trainer (flow process) to these CPUs")
 
 
 class ModelSection(Section):
@@ -99,8 +100,23 @@ class GRPOSection(Section):
 
 
 class ExplorationSection(Section):
+    """Seed exploration: none (random seeds), sync (fresh weights, on the critical path), spotlight (stale, overlapped)."""
+
     mode: Literal["none", "sync", "spotlight"] = "none"
-    candidates_per_prompt: int = Field(16, ge=1)
+    candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the first-iteration default")
+    max_candidates_per_prompt: int = Field(64, ge=1)
+    seeds_per_batch: int = Field(8, ge=1, description="a work unit: seeds rolled out together (fixed composition)")
+    steps: int | None = Field(None, ge=1, description="SDE steps of an exploration rollout (default: sampler.train_steps)")
+    extra_prompts: int = Field(4, ge=0, description="explore this many more prompt groups than are trained; the "
+                               "filter keeps the highest-variance ones, so low-variance prompts are replaced")
+    min_std: float = Field(0.02, ge=0, description="a kept group below this std is reported as low-variance")
+    budget_scale: float = Field(0.4, gt=0, description="exploration pool throughput relative to the trainer, in forward passes (measured: bench/time_to_target.py)")
+    workers: int = Field(1, ge=0, description="local worker processes in the embedded default (0: explore in-process)")
+    worker_cpus: list[int] | None = Field(None, description="pin local workers to these CPUs")
+    lease_seconds: float = Field(30.0, gt=0)
+    stall_seconds: float = Field(120.0, gt=0, description="no progress this long: the stage explores in-process")
+    ranking_every: int = Field(5, ge=0, description="measure stale-vs-fresh seed ranking every N iterations (0: never)")
+    ranking_prompts: int = Field(2, ge=1)
 
 
 class EvaluationSection(Section):
@@ -133,6 +149,11 @@ class Config(Section):
     @property
     def cache_url(self) -> str:
         return self.run.cache_url or f"{self.run_url.rstrip('/').rsplit('/', 1)[0]}/_cache"
+
+    def resolved(self) -> "Config":
+        """The same config with the store URLs filled in (what a run commits and compares)."""
+        run = self.run.model_copy(update={"url": self.run_url, "cache_url": self.cache_url})
+        return self.model_copy(update={"run": run})
 
     def fingerprint(self, *sections: str) -> str:
         """A short hash of the named sections (all if none): the cache key of what they determine."""

@@ -258,16 +258,26 @@ def _build(ctx: _Ctx, runtime: str, parity: tuple[torch.Tensor, torch.Tensor], t
     return scorer, build_s, err
 
 
-def measure_latency(fn: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor, *, warmup: int = 1,
-                    min_repeats: int = 3, max_repeats: int = 20, budget_s: float = 2.0) -> list[float]:
-    """Fresh repeated timings in seconds: at least min_repeats, more while under budget_s."""
-    for _ in range(warmup):
-        fn(images)
-    times: list[float] = []
-    while len(times) < min_repeats or (len(times) < max_repeats and sum(times) < budget_s):
-        start = time.perf_counter()
-        fn(images)  # Scorer returns CPU tensors, which synchronises CUDA
-        times.append(time.perf_counter() - start)
+def measure_interleaved(fns: dict[str, Callable[[torch.Tensor], torch.Tensor]], images: torch.Tensor, *,
+                        warmup: int = 1, min_repeats: int = 3, max_repeats: int = 20,
+                        budget_s: float = 2.0) -> dict[str, list[float]]:
+    """Fresh repeated timings in seconds, round-robin across runtimes.
+
+    Why round-robin: on a shared machine the load drifts over minutes; timing each runtime once
+    per round exposes all of them to the same drift instead of biasing whichever ran last.
+    Runs at least min_repeats rounds, more while the slowest runtime has used under budget_s.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn(images)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    rounds = 0
+    while rounds < min_repeats or (rounds < max_repeats and max(map(sum, times.values())) < budget_s):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(images)  # Scorer returns CPU tensors, which synchronises CUDA
+            times[name].append(time.perf_counter() - start)
+        rounds += 1
     return times
 
 
@@ -346,20 +356,19 @@ def _auto(ctx: _Ctx, batch_size: int, cache_url: str | None, model_name: str, to
     if cache_dir and (cached := _load_cached(ctx, cache_dir, parity, tolerance)):
         return cached
     results: dict[str, dict] = {}
-    best: tuple[float, Scorer] | None = None
+    built: dict[str, Scorer] = {}
     for runtime in AUTO_CANDIDATES:
         try:
-            scorer, build_s, err = _build(ctx, runtime, parity, tolerance)
+            built[runtime], build_s, err = _build(ctx, runtime, parity, tolerance)
         except RuntimeRefused as e:
             results[runtime] = {"refused": str(e)}
             continue
-        stats = latency_stats(measure_latency(scorer, parity[0]))
-        results[runtime] = {**stats, "build_s": build_s, "parity_error": err}
-        if best is None or stats["median_ms"] < best[0]:
-            best = (stats["median_ms"], scorer)  # the loser is dropped, freeing its artifact
-    if best is None:
+        results[runtime] = {"build_s": build_s, "parity_error": err}
+    if not built:
         raise RuntimeRefused(f"auto: no runtime passed on {ctx.device}: {results}")
-    scorer = best[1]
+    for runtime, times in measure_interleaved(built, parity[0]).items():
+        results[runtime].update(latency_stats(times))
+    scorer = built[min(built, key=lambda r: results[r]["median_ms"])]
     scorer.report = {"choice": scorer.runtime, "batch_size": batch_size, "from_cache": False,
                      "cache_dir": cache_dir, "key": key, "runtimes": results}
     if cache_dir:

@@ -24,8 +24,11 @@ from spotlight.models.policy import TinyMMDiT, build_policy
 from spotlight.pretrain import (BaseTrainer, classifier_accuracy, load_optimizer_tensors, optimizer_tensors,
                                 train_classifier)
 from spotlight.rewards import REWARDS, ClassifierReward, JpegCompressibility, Reward
+from spotlight import exploration
+from spotlight.filter import select
+from spotlight.planner import PlannerState, plan, update_cost_forwards
 from spotlight.sampler import sample_ode, sample_sde, sigma_schedule
-from spotlight.seeding import SEED_SPACE, derive_seed, generator
+from spotlight.seeding import derive_seed, generator
 from spotlight.store import Commit, RunStore, json_bytes, tensors_to_bytes
 
 Progress = Callable[[str, int, int], None]
@@ -45,6 +48,7 @@ class Run:
     cache: RunStore
     progress: Progress = _no_progress
     _rewards: dict[str, Reward] = field(default_factory=dict)
+    _policies: dict[int, TinyMMDiT] = field(default_factory=dict)
 
     # -- keys ------------------------------------------------------------------------------
     @staticmethod
@@ -74,6 +78,13 @@ class Run:
         policy.load_trainable_state(state)
         return policy.eval()
 
+    def cached_policy(self, t: int) -> TinyMMDiT:
+        """theta_t for inference, kept in memory (exploration workers reuse it across items)."""
+        if t not in self._policies:
+            self._policies = {k: v for k, v in self._policies.items() if k >= t - 1}
+            self._policies[t] = self.policy_at(t).requires_grad_(False)
+        return self._policies[t]
+
     def reward(self, name: str) -> Reward:
         if name not in self._rewards:
             model_name = REWARDS[name]
@@ -97,12 +108,17 @@ class Run:
 
 
 def open_run(cfg: Config, progress: Progress = _no_progress) -> Run:
-    """Open (or start) the run at cfg's URL. A run keeps the config it started with: another is an error."""
+    """Open (or start) the run at cfg's URL. A run keeps the config it started with: another is an error.
+
+    The store URL itself is not part of the comparison: a run may be opened from wherever its store is.
+    """
     torch.set_num_threads(cfg.run.threads)
     torch.use_deterministic_algorithms(True)
+    cfg = cfg.resolved()
     store, cache = RunStore(cfg.run_url), RunStore(cfg.cache_url)
     if store.is_committed("config"):
         started = config_from_dict(store.load("config").json("config.json"), f"{store.url}/config")
+        started = started.model_copy(update={"run": started.run.model_copy(update={"url": cfg.run_url})})
         if started != cfg:
             raise ConfigError(f"run {store.url} was started with another config; differences:\n"
                               + _config_diff(started.model_dump(), cfg.model_dump())
@@ -168,36 +184,121 @@ def pretrain(run: Run) -> Commit:
 
 # -- explore / filter -------------------------------------------------------------------------
 def prompts_for(cfg: Config, t: int) -> list[str]:
-    """Iteration t's prompts: a seeded draw of digit classes (without replacement while they last)."""
+    """Iteration t's prompt groups: a seeded draw of digit classes (without replacement while they last).
+    Exploring modes draw ``extra_prompts`` more, of which the filter keeps the most informative."""
     g = generator(cfg.run.seed, "prompts", t)
-    n = cfg.grpo.prompts_per_iteration
+    n = cfg.grpo.prompts_per_iteration + (cfg.exploration.extra_prompts if cfg.exploration.mode != "none" else 0)
     order = torch.cat([torch.randperm(NUM_CLASSES, generator=g) for _ in range(-(-n // NUM_CLASSES))])
     return [DIGIT_PROMPTS[int(c)] for c in order[:n]]
 
 
-def explore(run: Run, t: int) -> Commit:
-    """Candidate seeds per prompt of iteration t. Mode ``none``: G random seeds, nothing rolled out."""
+def explore(run: Run, t: int, inline: bool | None = None) -> Commit:
+    """Candidate seeds (and, when exploring, their rewards) for iteration t's prompts.
+
+    Mode ``none``: G random seeds per prompt, nothing rolled out. Otherwise the planner sizes the
+    exploration, the work goes through the run's queue, and the explored table is committed.
+    """
     key = run.key("explore", t)
     if run.store.is_committed(key):
         return run.store.load(key)
-    cfg = run.cfg
+    cfg, ec = run.cfg, run.cfg.exploration
     prompts = prompts_for(cfg, t)
-    g = generator(cfg.run.seed, "candidate-seeds", t)
-    k = cfg.grpo.group_size if cfg.exploration.mode == "none" else cfg.exploration.candidates_per_prompt
-    seeds = torch.randint(SEED_SPACE, (len(prompts), k), generator=g).tolist()
-    table = {"prompts": prompts, "seeds": seeds, "rewards": None}
-    return run.store.commit(key, {"explored.json": json_bytes(table)}, {"mode": cfg.exploration.mode})
+    if ec.mode == "none":
+        seeds = exploration.candidate_seeds(cfg, t, [cfg.grpo.group_size] * len(prompts))
+        table = {"prompts": prompts, "seeds": seeds, "rewards": None}
+        return run.store.commit(key, {"explored.json": json_bytes(table)}, {"mode": ec.mode})
+    decision = plan_exploration(run, t, prompts)
+    seeds = exploration.candidate_seeds(cfg, t, decision["counts"])
+    items = exploration.make_items(prompts, seeds, ec.seeds_per_batch)
+    waited = exploration.explore_queue(run, t, items, inline=ec.workers == 0 if inline is None else inline)
+    seeds, rewards, rollout_seconds = exploration.gather(exploration.queue_for(run, t), items)
+    stats = {**waited, "rollout_seconds": rollout_seconds, "candidates": sum(map(len, seeds)),
+             "policy_iteration": exploration.policy_iteration(cfg, t),
+             "worker_utilisation": rollout_seconds / max(waited["wall_seconds"], 1e-9) / max(ec.workers, 1)}
+    table = {"prompts": prompts, "seeds": seeds, "rewards": rewards}
+    return run.store.commit(key, {"explored.json": json_bytes(table), "plan.json": json_bytes(decision),
+                                  "stats.json": json_bytes(stats)}, {"mode": ec.mode})
+
+
+def planner_state(run: Run, t: int) -> PlannerState:
+    """The bandit's posteriors from every committed filter before t (the same set on every resume)."""
+    state = PlannerState()
+    for s in range(t):
+        if run.store.is_committed(run.key("filter", s)):
+            for row in run.store.load(run.key("filter", s)).json("stats.json").get("prompts", []):
+                state.observe(row["prompt"], row["gain"])
+    return state
+
+
+def plan_exploration(run: Run, t: int, prompts: list[str]) -> dict[str, Any]:
+    """How many candidates each prompt gets: Thompson sampling within the update step's cost."""
+    cfg, ec, gc = run.cfg, run.cfg.exploration, run.cfg.grpo
+    steps = ec.steps or cfg.sampler.train_steps
+    update_forwards = update_cost_forwards(gc.prompts_per_iteration * gc.group_size, cfg.sampler.train_steps,
+                                           gc.kl_beta > 0)
+    budget = int(ec.budget_scale * update_forwards / steps)
+    if t == 0:  # nothing learned yet: the configured default
+        budget = max(budget, ec.candidates_per_prompt * len(prompts))
+    state = planner_state(run, t)
+    counts, sampled = plan(state, prompts, group_size=gc.group_size, batch=ec.seeds_per_batch,
+                           budget_candidates=budget, max_per_prompt=ec.max_candidates_per_prompt,
+                           generator=generator(cfg.run.seed, "planner", t))
+    return {"counts": counts, "sampled_gain": sampled, "budget_candidates": budget,
+            "used_candidates": sum(counts), "posteriors": state.to_json()}
 
 
 def filter_seeds(run: Run, t: int) -> Commit:
-    """The G seeds per prompt that go into update(t). Mode ``none``: the random seeds as drawn."""
+    """The G seeds per prompt that go into update(t): the max-variance subset of the explored candidates."""
     key = run.key("filter", t)
     if run.store.is_committed(key):
         return run.store.load(key)
     explored = explore(run, t).json("explored.json")
-    g = run.cfg.grpo.group_size
-    chosen = {"prompts": explored["prompts"], "seeds": [s[:g] for s in explored["seeds"]]}
-    return run.store.commit(key, {"filtered.json": json_bytes(chosen)})
+    cfg, g = run.cfg, run.cfg.grpo.group_size
+    if explored["rewards"] is None:
+        chosen = {"prompts": explored["prompts"], "seeds": [s[:g] for s in explored["seeds"]]}
+        return run.store.commit(key, {"filtered.json": json_bytes(chosen), "stats.json": json_bytes({})})
+    rows, selections = [], []
+    for prompt, seeds, rewards in zip(explored["prompts"], explored["seeds"], explored["rewards"]):
+        sel = select(seeds, rewards, g)
+        selections.append(sel)
+        rows.append({"prompt": prompt, "candidates": len(seeds), "std": sel.std, "random_std": sel.random_std,
+                     "gain": sel.std - sel.random_std, "kept": False})
+    # keep the P groups with the most variance: low-variance prompts are replaced by extra ones
+    order = sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[: cfg.grpo.prompts_per_iteration]
+    for i in sorted(order):
+        rows[i]["kept"] = True
+    kept = {"prompts": [explored["prompts"][i] for i in sorted(order)], "seeds": [selections[i].seeds for i in sorted(order)]}
+    kept_rows = [r for r in rows if r["kept"]]
+    stats = {"prompts": rows, "selected_std": sum(r["std"] for r in kept_rows) / len(kept_rows),
+             "random_std": sum(r["random_std"] for r in rows) / len(rows),
+             "replaced_fraction": 1 - len(kept_rows) / len(rows),
+             "low_variance_kept": sum(r["std"] < cfg.exploration.min_std for r in kept_rows)}
+    return run.store.commit(key, {"filtered.json": json_bytes(kept), "stats.json": json_bytes(stats)})
+
+
+def ranking_check(run: Run, t: int) -> Commit:
+    """Do seed rankings survive one stale iteration? Re-roll iteration t's explored candidates of a few
+    prompts with fresh theta_t and correlate (Spearman) with the rewards explored under theta_{t-1}."""
+    key = run.key("ranking", t)
+    if run.store.is_committed(key):
+        return run.store.load(key)
+    explored = explore(run, t)
+    table, stale_at = explored.json("explored.json"), explored.json("stats.json")["policy_iteration"]
+    items = exploration.make_items(table["prompts"], table["seeds"], run.cfg.exploration.seeds_per_batch)
+    fresh = run.cached_policy(t)
+    rows = []
+    for item, stale in list(zip(items, table["rewards"]))[: run.cfg.exploration.ranking_prompts]:
+        rewards = []
+        for unit in item["units"]:
+            seeds = item["batches"][unit]
+            ro = sample_sde(fresh, [item["prompt"]] * len(seeds), seeds, run.cfg.exploration.steps or
+                            run.cfg.sampler.train_steps, run.cfg.sampler.noise_level, run.cfg.sampler.shift,
+                            run.cfg.sampler.guidance)
+            rewards += run.reward(run.cfg.rewards.train)(ro.images, [item["prompt"]] * len(seeds)).tolist()
+        rows.append({"prompt": item["prompt"], "spearman": exploration.spearman(stale, rewards), "n": len(rewards)})
+    result = {"iteration": t, "stale_policy": stale_at, "fresh_policy": t, "prompts": rows,
+              "spearman": sum(r["spearman"] for r in rows) / len(rows)}
+    return run.store.commit(key, {"metrics.json": json_bytes(result)})
 
 
 # -- update -----------------------------------------------------------------------------------
@@ -238,6 +339,7 @@ def update(run: Run, t: int) -> Commit:
         "train_reward_std": rewards.std().item(),
         "within_group_std": group_std.mean().item(),
         "zero_variance_groups": (group_std < 1e-3).float().mean().item(),
+        "prompts_trained": len(chosen["prompts"]),
         "first_log_ratio": stats[0]["max_abs_log_ratio"],
         "clip_frac": sum(s["clip_frac"] for s in stats) / len(stats),
         "approx_kl": sum(s["approx_kl"] for s in stats) / len(stats),
@@ -286,5 +388,33 @@ def evaluate(run: Run, t: int) -> Commit:
 
 
 STAGES: dict[str, Callable[[Run, int], Commit]] = {
-    "explore": explore, "filter": filter_seeds, "update": update, "evaluate": evaluate,
+    "explore": explore, "filter": filter_seeds, "update": update, "evaluate": evaluate, "ranking": ranking_check,
 }
+
+
+# -- per-iteration record -----------------------------------------------------------------------
+def record_timing(run: Run, t: int, timing: dict[str, float]) -> None:
+    """Wall-clock of iteration t as the orchestrator saw it (critical path, waits). Not a commit:
+    timings are observations, rewritten if the iteration is re-run."""
+    run.store.put_json(f"timeline/{t:04d}.json", {"iteration": t, **timing})
+
+
+def iteration_metrics(run: Run, t: int) -> dict[str, Any]:
+    """Everything known about iteration t: update metrics, filter and exploration stats, timings."""
+    out = dict(run.store.load(run.key("update", t)).json("metrics.json"))
+    filt = run.store.load(run.key("filter", t)).json("stats.json")
+    if filt:
+        out |= {"selected_std": filt["selected_std"], "random_std": filt["random_std"],
+                "replaced_fraction": filt["replaced_fraction"], "low_variance_kept": filt["low_variance_kept"]}
+    explored = run.store.load(run.key("explore", t))
+    if "stats.json" in explored.manifest["objects"]:
+        stats, decision = explored.json("stats.json"), explored.json("plan.json")
+        out |= {"explored_candidates": stats["candidates"], "exploration_seconds": stats["wall_seconds"],
+                "worker_utilisation": stats["worker_utilisation"],
+                "planner_budget_candidates": decision["budget_candidates"],
+                "planner_used_candidates": decision["used_candidates"]}
+    if run.store.is_committed(run.key("ranking", t)):
+        out["ranking_spearman"] = run.store.load(run.key("ranking", t)).json("metrics.json")["spearman"]
+    if run.store.exists(f"timeline/{t:04d}.json"):
+        out |= {f"timing_{k}": v for k, v in run.store.get_json(f"timeline/{t:04d}.json").items() if k != "iteration"}
+    return out

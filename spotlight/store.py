@@ -99,7 +99,9 @@ def s3_storage_options(storage_options: dict[str, Any] | None = None) -> dict[st
     if endpoint:
         client_kwargs.setdefault("endpoint_url", endpoint)
     options["client_kwargs"] = client_kwargs
-    options.setdefault("config_kwargs", {"connect_timeout": 5, "read_timeout": 60})
+    # botocore retries once itself; the rest is with_retries's (logged, and the same for every call)
+    options.setdefault("config_kwargs", {"connect_timeout": 5, "read_timeout": 60,
+                                         "retries": {"total_max_attempts": 2, "mode": "standard"}})
     return options
 
 

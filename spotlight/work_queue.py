@@ -51,6 +51,7 @@ class Claim:
     epoch: int
     expires: float
     renewals: int = 0
+    recorded: dict[str, Any] = field(default_factory=dict, repr=False)  # units this claim recorded first
 
     @property
     def item_id(self) -> str:
@@ -60,7 +61,6 @@ class Claim:
 @dataclass
 class _LeaseState:
     epoch: int | None  # latest epoch, None if never claimed
-    worker: str | None
     expires: float
     released: bool
 
@@ -77,7 +77,8 @@ class WorkQueue:
     lease_seconds: float = 60.0
     clock: Callable[[], float] = time.time
     _items: list[dict[str, Any]] | None = field(default=None, repr=False)
-    _unit_cache: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _unit_cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    _done_cache: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.prefix = self.prefix.strip("/")
@@ -176,13 +177,12 @@ class WorkQueue:
     def _lease_state(self, item_id: str) -> _LeaseState:
         names = self._lease_names(item_id)
         if not names:
-            return _LeaseState(None, None, 0.0, False)
+            return _LeaseState(None, 0.0, False)
         epoch = max(e for e, _ in names)
         if (epoch, "released") in names:
-            return _LeaseState(epoch, None, 0.0, True)
+            return _LeaseState(epoch, 0.0, True)
         renewal = max(int(r) for e, r in names if e == epoch and r != "released")
-        lease = self.store.get_json(self._lease_key(item_id, epoch, renewal))
-        return _LeaseState(epoch, lease["worker"], lease["expires"], False)
+        return _LeaseState(epoch, self.store.get_json(self._lease_key(item_id, epoch, renewal))["expires"], False)
 
     # -- results -----------------------------------------------------------------------------
     def record(self, claim: Claim, results: dict[str, Any]) -> int:
@@ -195,23 +195,29 @@ class WorkQueue:
             raise QueueError(f"item {claim.item_id!r} has no units {unknown[:5]}")
         new = 0
         for unit, result in results.items():
+            data = json_bytes({"result": result, "worker": claim.worker, "epoch": claim.epoch})
             try:
-                self.store.create_bytes(f"{self.prefix}/units/{claim.item_id}/{unit}",
-                                        json_bytes({"result": result, "worker": claim.worker, "epoch": claim.epoch}))
-                new += 1
+                self.store.create_bytes(f"{self.prefix}/units/{claim.item_id}/{unit}", data)
             except AlreadyExistsError:
-                pass
+                continue
+            claim.recorded[unit] = json.loads(data)["result"]  # as a reader will see it
+            new += 1
         return new
 
     def complete(self, claim: Claim) -> bool:
-        """Create the item's done marker; True for exactly one worker, False if another completed it."""
+        """Create the item's done marker; True for exactly one worker, False if another completed it.
+
+        The marker also holds the item's results (as first recorded), so a reader of a finished queue
+        makes one GET per item instead of one per unit (hundreds of round trips on S3)."""
         pending = self.pending_units(claim.item_id)
         if pending:
             raise QueueError(f"cannot complete {self.prefix}/{claim.item_id}: {len(pending)} units not recorded "
                              f"(e.g. {pending[:3]})")
+        results = {u: claim.recorded[u] if u in claim.recorded else self._unit(claim.item_id, u)
+                   for u in claim.item["units"]}
         try:
-            self.store.create_bytes(f"{self.prefix}/done/{claim.item_id}",
-                                    json_bytes({"worker": claim.worker, "epoch": claim.epoch, "at": self.clock()}))
+            self.store.create_bytes(f"{self.prefix}/done/{claim.item_id}", json_bytes(
+                {"worker": claim.worker, "epoch": claim.epoch, "at": self.clock(), "results": results}))
             return True
         except AlreadyExistsError:
             return False
@@ -229,14 +235,22 @@ class WorkQueue:
         return [u for u in self.item(item_id)["units"] if u not in recorded]
 
     def results(self) -> dict[str, Any]:
-        """All recorded units of all items: {unit: result}."""
+        """All recorded units of all items: {unit: result} (done items from their marker, one read each)."""
         out: dict[str, Any] = {}
+        done = self._done()
         for item in self.items():
-            for unit in self._recorded(item["id"]):
-                if unit not in self._unit_cache:  # immutable once written, so cached for good
-                    self._unit_cache[unit] = self.store.get_json(f"{self.prefix}/units/{item['id']}/{unit}")
-                out[unit] = self._unit_cache[unit]["result"]
+            if item["id"] in done:
+                if item["id"] not in self._done_cache:  # immutable once written, so cached for good
+                    self._done_cache[item["id"]] = self.store.get_json(f"{self.prefix}/done/{item['id']}")["results"]
+                out.update(self._done_cache[item["id"]])
+            else:
+                out.update({u: self._unit(item["id"], u) for u in self._recorded(item["id"])})
         return out
+
+    def _unit(self, item_id: str, unit: str) -> Any:
+        if unit not in self._unit_cache:
+            self._unit_cache[unit] = self.store.get_json(f"{self.prefix}/units/{item_id}/{unit}")["result"]
+        return self._unit_cache[unit]
 
     def status(self) -> dict[str, int]:
         items, done, now = self.items(), self._done(), self.clock()

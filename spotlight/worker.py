@@ -148,9 +148,11 @@ def _heartbeat(queue: WorkQueue, claim: Claim, lost: threading.Event, beat_stop:
             log.warning("lease renewal of %s failed: %s", claim.item_id, e)
 
 
-def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float = 60.0,
+def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float | None = None,
                 poll_seconds: float = 0.5, idle_exit_seconds: float = 0.0) -> dict[str, Any]:
-    """Work on a run's exploration queues until none has claimable work for idle_exit_seconds."""
+    """Work on a run's exploration queues until none has claimable work for idle_exit_seconds.
+
+    lease_seconds None keeps each queue's own lease (the run's ``exploration.lease_seconds``)."""
     # Imported here: the queue and run_worker stay usable without the model stack (torch, diffusers).
     from spotlight.stages import open_run_from_url
 
@@ -165,7 +167,7 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     while not stop.is_set():
         worked = False
         for t, queue in open_queues(run):
-            queue.lease_seconds = lease_seconds
+            queue.lease_seconds = lease_seconds or queue.lease_seconds
             stats = run_worker(queue, functools.partial(explore_units, run, t), worker_id=worker_id, stop=stop,
                                poll_seconds=poll_seconds, idle_exit_seconds=0.0)
             total.add(stats)

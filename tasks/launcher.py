@@ -154,21 +154,22 @@ class SkyLauncher:
         """The stage's task YAML with the run's envs, config file mount and secrets filled in."""
         import sky
 
-        if stage not in STAGE_YAMLS:
-            raise ValueError(f"no SkyPilot task for stage {stage!r}; stages with one: {', '.join(STAGE_YAMLS)}")
         cfg = config_from_dict(config)
         if not cfg.run_url.startswith(("s3://", "gs://", "r2://")):
             raise ValueError(f"stage {stage} on SkyPilot needs a bucket run store (s3://...), but the run is "
                              f"{cfg.run_url}: a cloud VM cannot see this machine's disk")
         config_file.write_text(yaml.safe_dump(config, sort_keys=True))
-        task = sky.Task.from_yaml(str(self.sky_dir / STAGE_YAMLS[stage]))
+        raw = yaml.safe_load((self.sky_dir / STAGE_YAMLS[stage]).read_text())
         envs = {"RUN_URL": cfg.run_url, "ITERATION": str(iteration), "CONFIG": REMOTE_CONFIG}
-        task.update_envs({k: v for k, v in envs.items() if k in task.envs})
+        # As `sky jobs launch --env K=V --secret K` does: overrides go in before SkyPilot turns
+        # null-valued secrets into managed-secret references.
+        task = sky.Task.from_yaml_config(
+            raw, env_overrides=[(k, v) for k, v in envs.items() if k in (raw.get("envs") or {})],
+            secrets_overrides=list(self.secrets().items()))
         missing = [k for k, v in task.envs.items() if v == "" and k in ("RUN_URL", "ITERATION")]
         if missing:
             raise ValueError(f"{STAGE_YAMLS[stage]}: required envs {missing} are not set by the launcher")
         task.update_file_mounts({REMOTE_CONFIG: str(config_file)})
-        task.update_secrets(self.secrets())
         if task.workdir == ".":
             task.workdir = str(self.sky_dir.parent)
         if self.num_nodes is not None and stage == "update":
@@ -183,34 +184,44 @@ class SkyLauncher:
 
     def run_stage(self, stage: str, iteration: int, config: dict[str, Any],
                   local: Callable[[], T] | None = None) -> dict[str, Any]:
+        """Launch (or find) the stage's job and wait for it; ``local`` is ignored (InProcess's signature)."""
+        if stage not in STAGE_YAMLS:
+            raise ValueError(f"no SkyPilot task for stage {stage!r}; stages with one: {', '.join(STAGE_YAMLS)}")
         log = _logger()
         name = job_name(config_from_dict(config).run_url, stage, iteration)
         existing = self.latest(name)
         if existing is not None and existing["status"] == SUCCEEDED:
             log.info("managed job %s (id %s) already succeeded; not launching again", name, existing["job_id"])
             return existing
-        try:
-            if existing is not None and existing["status"] in ACTIVE:
-                job_id = existing["job_id"]
-                log.info("managed job %s (id %s) is %s; waiting on it instead of launching a duplicate",
-                         name, job_id, existing["status"])
-            else:
-                tmp = Path(tempfile.mkdtemp(prefix="spotlight-launch-"))
+        if existing is not None and existing["status"] in ACTIVE:
+            job_id = existing["job_id"]
+            log.info("managed job %s (id %s) is %s; waiting on it instead of launching a duplicate",
+                     name, job_id, existing["status"])
+        else:
+            tmp = Path(tempfile.mkdtemp(prefix="spotlight-launch-"))
+            try:
+                task = self.build_task(stage, iteration, config, tmp / "config.yaml")  # errors here launch nothing
                 try:
-                    task = self.build_task(stage, iteration, config, tmp / "config.yaml")
                     job_id = self.jobs.launch(task, name)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                log.info("launched managed job %s (id %s): stage %s iteration %d, envs %s, secrets %s "
-                         "(values not shown); SKYPILOT_TASK_ID keys its resume across spot recoveries",
-                         name, job_id, stage, iteration, task.envs, sorted(task.secrets))
+                except BaseException:
+                    self._cancel_after_interrupt(name)  # it may have been submitted before the interrupt
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.info("launched managed job %s (id %s): stage %s iteration %d, envs %s, secrets %s "
+                     "(values not shown); SKYPILOT_TASK_ID keys its resume across spot recoveries",
+                     name, job_id, stage, iteration, task.envs, sorted(task.secrets))
+        try:
             return self.wait(name, job_id)
         except SkyJobFailed:
             raise
-        except BaseException:  # Ctrl-C, Prefect cancellation/termination, errors: do not leave it running
-            log.warning("interrupted while running %s; cancelling the managed job", name)
-            self.jobs.cancel(name)
+        except BaseException:  # Ctrl-C, Prefect cancellation/termination, API errors: do not leave it running
+            self._cancel_after_interrupt(name)
             raise
+
+    def _cancel_after_interrupt(self, name: str) -> None:
+        _logger().warning("interrupted while running %s; cancelling the managed job", name)
+        self.jobs.cancel(name)
 
     def wait(self, name: str, job_id: int) -> dict[str, Any]:
         """Poll until the job is terminal: the record on SUCCEEDED, else SkyJobFailed with its log tail."""

@@ -181,7 +181,8 @@ def _optimize(out: str, yaml_paths: list[str]) -> None:
             best = task.best_resources
             accs = ", ".join(f"{k}:{v:g}" for k, v in (best.accelerators or {}).items())
             result[path][kind] = asdict(Offer(
-                cloud=str(best.cloud), region=str(best.zone or best.region), instance_type=str(best.instance_type),
+                cloud=str(best.cloud), region=f"{best.region}/{best.zone}" if best.zone else str(best.region),
+                instance_type=str(best.instance_type),
                 accelerators=accs, use_spot=use_spot, price_per_hour=best.get_cost(3600) * task.num_nodes))
     Path(out).write_text(json.dumps(result))
 

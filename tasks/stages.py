@@ -7,16 +7,18 @@ stages are idempotent, so Prefect retries are safe and results need no Prefect c
 from __future__ import annotations
 
 import json
+import time
 from functools import lru_cache
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NONE
 
-from spotlight import stages
+from spotlight import cost, stages
 from spotlight.config import config_from_dict
 from spotlight.console import ProgressBars
 from spotlight.report import write_report
+from tasks.launcher import launcher_from_env
 
 STAGE_TASK = dict(retries=1, retry_delay_seconds=2, cache_policy=NONE, persist_result=False)
 _bars = ProgressBars()
@@ -38,8 +40,16 @@ def pretrain(config: dict[str, Any]) -> str:
 
 
 @task(name="explore", task_run_name="explore-it{iteration}", **STAGE_TASK)
-def explore(config: dict[str, Any], iteration: int) -> str:
-    return stages.explore(open_run(config), iteration).name
+def explore(config: dict[str, Any], iteration: int) -> float:
+    """Returns the seconds this task spent (waiting for the workers, in the explore modes)."""
+    started = time.perf_counter()
+    run = open_run(config)
+    if not run.store.is_committed(run.key("explore", iteration)):
+        explored = stages.explore(run, iteration)
+        if "stats.json" in explored.manifest["objects"]:
+            worker_seconds = explored.json("stats.json")["rollout_seconds"]
+            cost.record(run.store, "explore", iteration, worker_seconds, 0.0, "local")
+    return time.perf_counter() - started
 
 
 @task(name="filter", task_run_name="filter-it{iteration}", **STAGE_TASK)
@@ -49,7 +59,25 @@ def filter_seeds(config: dict[str, Any], iteration: int) -> str:
 
 @task(name="update", task_run_name="update-it{iteration}", **STAGE_TASK)
 def update(config: dict[str, Any], iteration: int) -> dict[str, Any]:
-    return stages.update(open_run(config), iteration).json("metrics.json")
+    """In-process by default; a SkyPilot managed job when SPOTLIGHT_LAUNCHER=sky (same stage, same commit)."""
+    run = open_run(config)
+    if not run.store.is_committed(run.key("update", iteration)):
+        started = time.perf_counter()
+        launcher_from_env().run_stage("update", iteration, config, local=lambda: stages.update(run, iteration))
+        cost.record(run.store, "update", iteration, time.perf_counter() - started, 0.0, "local")
+    return run.store.load(run.key("update", iteration)).json("metrics.json")
+
+
+@task(name="ranking", task_run_name="ranking-it{iteration}", **STAGE_TASK)
+def ranking(config: dict[str, Any], iteration: int) -> float:
+    return stages.ranking_check(open_run(config), iteration).json("metrics.json")["spearman"]
+
+
+@task(name="record-iteration", task_run_name="record-it{iteration}", **STAGE_TASK)
+def record_iteration(config: dict[str, Any], iteration: int, timing: dict[str, float]) -> dict[str, Any]:
+    run = open_run(config)
+    stages.record_timing(run, iteration, timing)
+    return stages.iteration_metrics(run, iteration)
 
 
 @task(name="evaluate", task_run_name="evaluate-it{iteration}", **STAGE_TASK)

@@ -108,7 +108,7 @@ def test_auto_caches_choice_and_artifact(model: torch.nn.Module, tmp_path, monke
     def must_not_measure(*args, **kwargs):
         raise AssertionError("a cache hit must not re-measure")
 
-    monkeypatch.setattr(rr, "measure_latency", must_not_measure)
+    monkeypatch.setattr(rr, "measure_interleaved", must_not_measure)
     second = rr.make_scorer(model, SHAPE, runtime="auto", batch_size=8, cache_url=url, model_name="tiny-vit")
     assert second.runtime == winner and second.report["from_cache"] is True
     assert second.report["runtimes"] == first.report["runtimes"]

@@ -153,9 +153,22 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _start(name: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(_cmd(name), cwd=REPO, env=_env(), stdout=log.open("ab"), stderr=subprocess.STDOUT,
+@pytest.fixture
+def procs():
+    """Runs started by a test; any still alive when it ends (a failed assertion) are killed."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _start(procs: list, name: str, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(_cmd(name), cwd=REPO, env=_env(), stdout=log.open("ab"), stderr=subprocess.STDOUT,
                             start_new_session=True)
+    procs.append(proc)
+    return proc
 
 
 def _wait_for(store: RunStore, name: str, proc: subprocess.Popen, timeout: float = 150) -> None:
@@ -175,13 +188,13 @@ def _policy(name: str, it: int = 3) -> bytes:
     return RunStore(f"s3://{BUCKET}/runs/{name}").load(f"iterations/{it:04d}/update").read("policy.safetensors")
 
 
-def test_full_run_on_s3_survives_kill_and_outage_and_leaks_no_secret(moto, tmp_path):
+def test_full_run_on_s3_survives_kill_and_outage_and_leaks_no_secret(moto, tmp_path, procs):
     logs = tmp_path / "logs"
     logs.mkdir()
     # 1. reference run (pretrains once into the shared cache) with an S3 outage mid-write:
     #    stop the server while iteration 1 is being written, start it again on the same port.
     ref_log = logs / "ref.log"
-    ref = _start("s3ref", ref_log)
+    ref = _start(procs, "s3ref", ref_log)
     t0 = time.monotonic()
     _wait_for(RunStore(f"s3://{BUCKET}/runs/s3ref"), "iterations/0001/filter", ref)
     print(f"ref: pretrain + 1.5 iterations {time.monotonic() - t0:.1f}s")
@@ -194,12 +207,12 @@ def test_full_run_on_s3_survives_kill_and_outage_and_leaks_no_secret(moto, tmp_p
 
     # 2. the same run under another name, killed -9 (whole process group) mid-run, then resumed.
     x_log = logs / "x.log"
-    x = _start("s3x", x_log)
+    x = _start(procs, "s3x", x_log)
     _wait_for(RunStore(f"s3://{BUCKET}/runs/s3x"), "iterations/0001/update", x)
     os.killpg(x.pid, signal.SIGKILL)
     x.wait()
     assert not RunStore(f"s3://{BUCKET}/runs/s3x").is_committed("iterations/0003/update")
-    resumed = _start("s3x", x_log)
+    resumed = _start(procs, "s3x", x_log)
     _finish(resumed, x_log)
     print(f"kill + resume: done {time.monotonic() - t0:.1f}s")
     assert _policy("s3x") == _policy("s3ref"), "resumed run's final policy differs from the uninterrupted one"

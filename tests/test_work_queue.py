@@ -35,22 +35,27 @@ class FakeClock:
 
 @pytest.fixture(scope="module")
 def moto_endpoint():
+    """A local S3 (moto) that this process and worker subprocesses reach the way a worker does: by env."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
+    endpoint = f"http://{host}:{port}"
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "fake-key",
+                           "AWS_SECRET_ACCESS_KEY": "fake-secret", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            mp.setenv(key, value)
+        yield endpoint
     server.stop()
 
 
 def make_store(kind: str, tmp_path: Path, moto_endpoint: str | None) -> RunStore:
     if kind == "file":
         return RunStore(f"file://{tmp_path}/run")
+    assert moto_endpoint
     bucket = f"queue-{uuid.uuid4().hex[:12]}"
-    opts = {"key": "fake-key", "secret": "fake-secret",
-            "client_kwargs": {"endpoint_url": moto_endpoint, "region_name": "eu-west-1"}}
-    store = RunStore(f"s3://{bucket}/run", storage_options=opts)
+    store = RunStore(f"s3://{bucket}/run")
     store.fs.mkdir(bucket)
     return store
 
@@ -308,15 +313,14 @@ def test_racing_worker_processes_complete_each_item_exactly_once(tmp_path):
     assert queue.results() == {u: unit_result(u) for it in items for u in it["units"]}
 
 
-def test_results_after_sigterm_kill9_and_races_equal_a_fault_free_run(tmp_path):
-    url, lease = f"file://{tmp_path}/run", 1.5
+def test_results_after_sigterm_kill9_and_races_equal_a_fault_free_run(store):
+    url, lease = store.url, 1.5
     items = make_items(8, 5, 0.08)
-    clean = WorkQueue(RunStore(url), "clean", lease_seconds=lease)
+    clean = WorkQueue(store, "clean", lease_seconds=lease)
     clean.publish(items)
     clean_stats = run_worker(clean, handler, worker_id="solo", batch_units=2)
     assert sorted(clean_stats["items_completed"]) == [it["id"] for it in items]
 
-    store = RunStore(url)
     faulty = WorkQueue(store, "faulty", lease_seconds=lease)
     procs = {name: spawn(url, "faulty", name, "--lease", str(lease), "--batch", "2", "--poll", "0.05")
              for name in ("term", "kill", "steady")}
@@ -336,3 +340,30 @@ def test_results_after_sigterm_kill9_and_races_equal_a_fault_free_run(tmp_path):
     taken_over = [it["id"] for it in items if "000001-000000" in lease_objects(store, "faulty", it["id"])]
     assert taken_over, "some item was released or expired and claimed again"
     assert faulty.results() == clean.results() == {u: unit_result(u) for it in items for u in it["units"]}
+
+
+# -- the `spotlight worker` command on a real run --------------------------------------------------------
+def test_spotlight_worker_command_explores_a_runs_queue(small_overrides, tmp_path):
+    from conftest import SPOTLIGHT, cli_env
+
+    from spotlight import exploration
+    from spotlight.config import load_config
+    from spotlight.stages import open_run, pretrain, prompts_for
+
+    cfg = load_config(REPO / "configs/tiny.yaml", [*small_overrides, "exploration.mode=spotlight"])
+    run = open_run(cfg)
+    pretrain(run)
+    items = exploration.make_items(prompts_for(cfg, 1)[:2], exploration.candidate_seeds(cfg, 1, [4, 4]), batch=2)
+    queue = exploration.queue_for(run, 1)
+    queue.publish(items)
+    proc = subprocess.run([SPOTLIGHT, "worker", "--run", cfg.run_url, "--id", "cli-worker", "--idle-exit", "0"],
+                          cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker cli-worker" in proc.stdout and "utilisation" in proc.stdout
+    assert queue.drained() and {queue.done_by(it["id"]) for it in items} == {"cli-worker"}
+    results = queue.results()
+    assert sorted(results) == ["p000-b000", "p000-b001", "p001-b000", "p001-b001"]
+    # The same units rolled out here give the same rewards: a re-run after preemption changes nothing.
+    here = dict(exploration.explore_units(run, 1, items[1], ["p001-b001"]))
+    assert here["p001-b001"]["rewards"] == results["p001-b001"]["rewards"]
+    assert results["p001-b001"]["seeds"] == items[1]["batches"]["p001-b001"]

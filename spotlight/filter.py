@@ -1,0 +1,44 @@
+"""The variance filter: per prompt, keep the G explored seeds whose rewards differ most.
+
+Group-relative RL learns nothing from a group whose rewards are all equal, so we keep, per prompt,
+the size-G subset of candidates with the largest reward variance. That subset is always some of the
+lowest plus the rest of the highest rewards (moving any kept middle value outward cannot lower the
+variance), so trying the G + 1 low/high splits of the sorted rewards finds the optimum exactly.
+Across prompts, the stage keeps the P groups with the most variance, so low-variance prompts are
+replaced by the extra prompt groups that were explored (the update always trains P groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Selection:
+    seeds: list[int]
+    rewards: list[float]
+    std: float  # std of the kept group (unbiased, as the advantages use)
+    random_std: float  # std of the first G candidates: what mode "none" would have trained on
+
+
+def max_variance_subset(rewards: torch.Tensor, g: int) -> tuple[torch.Tensor, float]:
+    """Indices of the size-g subset of ``rewards`` with maximum variance, and that subset's std."""
+    if len(rewards) < g:
+        raise ValueError(f"need at least {g} candidates, got {len(rewards)}")
+    order = torch.argsort(rewards, stable=True)
+    best, best_std = order[:g], -1.0
+    for low in range(g + 1):
+        idx = torch.cat([order[:low], order[len(order) - (g - low):]]) if g - low else order[:low]
+        std = rewards[idx].std().item()
+        if std > best_std + 1e-12:
+            best, best_std = idx, std
+    return torch.sort(best).values, best_std
+
+
+def select(seeds: list[int], rewards: list[float], g: int) -> Selection:
+    r = torch.tensor(rewards, dtype=torch.float64)
+    idx, std = max_variance_subset(r, g)
+    return Selection([seeds[i] for i in idx.tolist()], [rewards[i] for i in idx.tolist()], std,
+                     r[:g].std().item())

@@ -1,0 +1,121 @@
+"""Seed exploration: the variance filter, the bandit planner, rank correlation, and a whole spotlight-mode
+run whose exploration worker is killed with -9 mid-run, which must end exactly like a run with no faults."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+from spotlight.exploration import make_items, spearman
+from spotlight.filter import max_variance_subset, select
+from spotlight.planner import PlannerState, plan
+from tests.conftest import SMALL, cli_env, spotlight_cmd
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_max_variance_subset_is_optimal(seed):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(9, generator=g, dtype=torch.float64).round(decimals=1)  # ties too
+    idx, std = max_variance_subset(rewards, 4)
+    brute = max(rewards[list(c)].std().item() for c in itertools.combinations(range(9), 4))
+    assert std == pytest.approx(brute, abs=1e-12)
+    assert rewards[idx].std().item() == pytest.approx(std, abs=1e-12) and len(set(idx.tolist())) == 4
+
+
+def test_select_reports_gain_over_random_group():
+    sel = select([10, 11, 12, 13, 14, 15], [0.5, 0.5, 0.5, 0.5, 0.0, 1.0], 4)
+    assert sorted(sel.seeds) == [10, 11, 14, 15] or set(sel.seeds) >= {14, 15}
+    assert sel.random_std == 0.0 and sel.std > 0.4
+
+
+def test_spearman_matches_scipy():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        a = torch.rand(12, generator=g).round(decimals=1).tolist()
+        b = (torch.tensor(a) + 0.3 * torch.rand(12, generator=g)).tolist()
+        assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-9)
+
+
+def test_planner_respects_floor_batches_cap_and_budget_and_learns():
+    state = PlannerState()
+    prompts = [f"p{i}" for i in range(4)]
+    for _ in range(5):
+        state.observe("p2", 0.4)  # exploring p2 has paid off
+        state.observe("p0", 0.0)  # p0 never gains anything
+    counts, _ = plan(state, prompts, group_size=6, batch=4, budget_candidates=80, max_per_prompt=40,
+                     generator=torch.Generator().manual_seed(0))
+    assert all(c >= 6 and c % 4 == 0 and c <= 40 for c in counts)
+    assert sum(counts) <= 80 and sum(counts) > 80 - 4
+    assert counts[2] == max(counts) and counts[0] == min(counts)
+    again, _ = plan(state, prompts, group_size=6, batch=4, budget_candidates=80, max_per_prompt=40,
+                    generator=torch.Generator().manual_seed(0))
+    assert again == counts, "same state and seed, same plan"
+
+
+def test_items_have_fixed_batches():
+    items = make_items(["a", "b"], [[1, 2, 3, 4, 5], [6, 7]], batch=2)
+    assert items[0]["batches"] == {"p000-b000": [1, 2], "p000-b001": [3, 4], "p000-b002": [5]}
+    assert items[1]["units"] == ["p001-b000"]
+
+
+def _worker_pids(run_url: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"worker --run {run_url}"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_spotlight_run_with_killed_worker_equals_clean_run(tmp_path: Path, cache_url):
+    common = [*SMALL, f"run.cache_url={cache_url}", "exploration.mode=spotlight", "grpo.iterations=4",
+              "exploration.candidates_per_prompt=12", "exploration.seeds_per_batch=4",
+              "exploration.ranking_every=2", "exploration.lease_seconds=3", "exploration.stall_seconds=6"]
+    clean = tmp_path / "clean"
+    result = subprocess.run(spotlight_cmd("run", overrides=[*common, f"run.url=file://{clean}",
+                                                            "exploration.workers=0"]),
+                            cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    faulty = tmp_path / "faulty"
+    url = f"file://{faulty}"
+    proc = subprocess.Popen(spotlight_cmd("run", overrides=[*common, f"run.url={url}", "exploration.workers=1"]),
+                            cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    killed = []
+
+    def kill_worker_mid_exploration():
+        deadline = time.monotonic() + 300
+        units = faulty / "queues/explore-0002/units"
+        while time.monotonic() < deadline and not killed:
+            if units.exists() and any(units.rglob("p*")):
+                for pid in _worker_pids(url):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_worker_mid_exploration)
+    killer.start()
+    out, _ = proc.communicate(timeout=600)
+    killer.join()
+    assert proc.returncode == 0, out[-3000:]
+    assert killed, "the worker must have been killed mid-exploration"
+    for t in range(4):
+        a = json.loads((clean / f"iterations/{t:04d}/explore/explored.json").read_text())
+        b = json.loads((faulty / f"iterations/{t:04d}/explore/explored.json").read_text())
+        assert a == b, f"explored table of iteration {t} differs after the fault"
+        assert a["rewards"] is not None and len(a["prompts"]) == 4 + 4, "P prompts plus extra_prompts explored"
+        if t == 0:
+            assert sum(len(s) for s in a["seeds"]) == 12 * 8, "first iteration: candidates_per_prompt each on average"
+    final = "iterations/0003/update/policy.safetensors"
+    assert (clean / final).read_bytes() == (faulty / final).read_bytes()
+    ranking = json.loads((faulty / "iterations/0002/ranking/metrics.json").read_text())
+    assert ranking["stale_policy"] == 1 and ranking["fresh_policy"] == 2 and -1 <= ranking["spearman"] <= 1
+    stats = json.loads((faulty / "iterations/0002/explore/stats.json").read_text())
+    assert stats["policy_iteration"] == 1, "spotlight explores iteration t with theta_{t-1}"
