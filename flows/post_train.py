@@ -21,7 +21,7 @@ from spotlight.config import load_config
 from tasks import stages as t
 from tasks.artifacts import publish_iteration, publish_run
 from tasks.launcher import on_flow_cancellation
-from tasks.workers import local_workers
+from tasks.workers import exploration_workers
 
 
 @flow(name="spotlight-post-train", on_cancellation=[on_flow_cancellation])
@@ -37,7 +37,7 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
     t.pretrain(config)
     evaluations = set(t.open_run(config).eval_iterations())
     t.evaluate(config, 0)
-    with local_workers(cfg):
+    with exploration_workers(cfg):
         if mode == "spotlight":
             t.explore(config, 0)  # the first exploration has no stale policy to overlap with
         for it in range(n):

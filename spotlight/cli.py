@@ -39,6 +39,9 @@ def print_summary(summary: Summary) -> None:
                       f"{summary.train_reward[0][1]:.3f} -> {summary.train_reward[-1][1]:.3f}")
     for it, value in summary.eval_reward:
         table.add_row(f"held-out reward, theta_{it}", f"{value:.3f}")
+    for it, rho in summary.ranking_spearman:
+        table.add_row(f"seed ranking, stale vs fresh (iteration {it})", f"Spearman rho {rho:.3f}")
+    table.add_row("cost ledger", f"${summary.cost_usd:.4f} over {summary.cost_entries} stage attempts")
     if summary.eval_first_last:
         a, b = summary.eval_first_last
         table.add_row("held-out reward change", f"{b - a:+.3f}")
@@ -70,7 +73,8 @@ def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Opt
 
 @app.command()
 def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (file://... or s3://...)"),
-           worker_id: Optional[str] = typer.Option(None, "--id", help="worker name; default host-pid"),
+           worker_id: Optional[str] = typer.Option(None, "--id", envvar="SPOTLIGHT_WORKER_ID",
+                                                   help="worker name; default host-pid"),
            lease_seconds: Optional[float] = typer.Option(
                None, "--lease-seconds", help="lease length, renewed every third; default: the run's exploration.lease_seconds"),
            idle_exit: float = typer.Option(0.0, "--idle-exit", help="exit after this long with no claimable work"),

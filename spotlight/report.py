@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from spotlight.cost import ledger  # noqa: E402
 from spotlight.stages import Run  # noqa: E402
 from spotlight.store import RunStore, png_bytes  # noqa: E402
 
@@ -24,6 +25,9 @@ class Summary:
     within_group_std: list[tuple[int, float]]
     reward_curve: str
     samples: str
+    ranking_spearman: list[tuple[int, float]]
+    cost_usd: float
+    cost_entries: int
 
     @property
     def eval_first_last(self) -> tuple[float, float] | None:
@@ -35,6 +39,7 @@ class Summary:
             "train_reward": self.train_reward, "eval_reward": self.eval_reward,
             "within_group_std": self.within_group_std,
             "reward_curve": self.reward_curve, "samples": self.samples,
+            "ranking_spearman": self.ranking_spearman, "cost_usd": self.cost_usd, "cost_entries": self.cost_entries,
         }
 
 
@@ -83,6 +88,8 @@ def write_report(run: Run) -> Summary:
         gutter = np.ones((first.shape[0], 1, *first.shape[2:]), dtype=np.float32)
         both = np.concatenate([first.numpy(), gutter, last.numpy()], axis=1)
         store.write_bytes("report/samples_before_after.png", png_bytes(_grid_image(both)))
+    rankings = committed_metrics(store, "iterations", "ranking")
+    entries = ledger(store)
     summary = Summary(
         run_url=store.url,
         iterations_done=len(updates),
@@ -91,6 +98,9 @@ def write_report(run: Run) -> Summary:
         within_group_std=[(m["iteration"], m["within_group_std"]) for m in updates],
         reward_curve=f"{store.url}/report/reward_curve.png",
         samples=f"{store.url}/report/samples_before_after.png",
+        ranking_spearman=[(m["iteration"], m["spearman"]) for m in rankings],
+        cost_usd=sum(e["cost_usd"] for e in entries),
+        cost_entries=len(entries),
     )
     store.put_json("report/summary.json", summary.as_dict())
     return summary

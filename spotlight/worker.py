@@ -159,7 +159,8 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     run = open_run_from_url(run_url)  # a wrong URL fails here, with the run named
     from spotlight.exploration import explore_units, open_queues
 
-    worker_id = worker_id or re.sub(r"[^A-Za-z0-9_=+-]", "-", f"{socket.gethostname()}-{os.getpid()}")
+    # a store key: SKYPILOT_TASK_ID or a hostname may hold characters the queue does not allow
+    worker_id = re.sub(r"[^A-Za-z0-9_=+-]", "-", worker_id or f"{socket.gethostname()}-{os.getpid()}")
     stop = threading.Event()
     install_sigterm_handler(stop)
     total = WorkerStats(worker_id)

@@ -185,32 +185,9 @@ class SkyLauncher:
     def run_stage(self, stage: str, iteration: int, config: dict[str, Any],
                   local: Callable[[], T] | None = None) -> dict[str, Any]:
         """Launch (or find) the stage's job and wait for it; ``local`` is ignored (InProcess's signature)."""
-        if stage not in STAGE_YAMLS:
-            raise ValueError(f"no SkyPilot task for stage {stage!r}; stages with one: {', '.join(STAGE_YAMLS)}")
-        log = _logger()
-        name = job_name(config_from_dict(config).run_url, stage, iteration)
-        existing = self.latest(name)
-        if existing is not None and existing["status"] == SUCCEEDED:
-            log.info("managed job %s (id %s) already succeeded; not launching again", name, existing["job_id"])
-            return existing
-        if existing is not None and existing["status"] in ACTIVE:
-            job_id = existing["job_id"]
-            log.info("managed job %s (id %s) is %s; waiting on it instead of launching a duplicate",
-                     name, job_id, existing["status"])
-        else:
-            tmp = Path(tempfile.mkdtemp(prefix="spotlight-launch-"))
-            try:
-                task = self.build_task(stage, iteration, config, tmp / "config.yaml")  # errors here launch nothing
-                try:
-                    job_id = self.jobs.launch(task, name)
-                except BaseException:
-                    self._cancel_after_interrupt(name)  # it may have been submitted before the interrupt
-                    raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            log.info("launched managed job %s (id %s): stage %s iteration %d, envs %s, secrets %s "
-                     "(values not shown); SKYPILOT_TASK_ID keys its resume across spot recoveries",
-                     name, job_id, stage, iteration, task.envs, sorted(task.secrets))
+        name, job_id = self.start(stage, iteration, config)
+        if job_id is None:
+            return self.latest(name)
         try:
             return self.wait(name, job_id)
         except SkyJobFailed:
@@ -218,6 +195,38 @@ class SkyLauncher:
         except BaseException:  # Ctrl-C, Prefect cancellation/termination, API errors: do not leave it running
             self._cancel_after_interrupt(name)
             raise
+
+    def start(self, stage: str, iteration: int, config: dict[str, Any]) -> tuple[str, int | None]:
+        """Launch the stage's job unless one of that name is active (returns its id) or succeeded (None).
+
+        ``iteration`` names the job: the iteration for a stage, the worker index for exploration workers.
+        """
+        if stage not in STAGE_YAMLS:
+            raise ValueError(f"no SkyPilot task for stage {stage!r}; stages with one: {', '.join(STAGE_YAMLS)}")
+        log = _logger()
+        name = job_name(config_from_dict(config).run_url, stage, iteration)
+        existing = self.latest(name)
+        if existing is not None and existing["status"] == SUCCEEDED:
+            log.info("managed job %s (id %s) already succeeded; not launching again", name, existing["job_id"])
+            return name, None
+        if existing is not None and existing["status"] in ACTIVE:
+            log.info("managed job %s (id %s) is %s; waiting on it instead of launching a duplicate",
+                     name, existing["job_id"], existing["status"])
+            return name, existing["job_id"]
+        tmp = Path(tempfile.mkdtemp(prefix="spotlight-launch-"))
+        try:
+            task = self.build_task(stage, iteration, config, tmp / "config.yaml")  # errors here launch nothing
+            try:
+                job_id = self.jobs.launch(task, name)
+            except BaseException:
+                self._cancel_after_interrupt(name)  # it may have been submitted before the interrupt
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("launched managed job %s (id %s): stage %s iteration %d, envs %s, secrets %s "
+                 "(values not shown); SKYPILOT_TASK_ID keys its resume across spot recoveries",
+                 name, job_id, stage, iteration, task.envs, sorted(task.secrets))
+        return name, job_id
 
     def _cancel_after_interrupt(self, name: str) -> None:
         _logger().warning("interrupted while running %s; cancelling the managed job", name)

@@ -1,6 +1,5 @@
-"""Local exploration workers for the embedded default: ``spotlight worker`` processes beside the flow.
-
-In the cloud each worker is a SkyPilot spot job running the same command (sky/explore_worker.yaml).
+"""Exploration workers for a run: ``spotlight worker`` processes beside the flow (embedded default),
+or SkyPilot spot jobs running the same command (sky/explore_worker.yaml) when SPOTLIGHT_LAUNCHER=sky.
 """
 
 from __future__ import annotations
@@ -14,6 +13,25 @@ from pathlib import Path
 from typing import Iterator
 
 from spotlight.config import Config
+from tasks.launcher import SkyLauncher, launcher_from_env
+
+
+@contextmanager
+def exploration_workers(cfg: Config) -> Iterator[None]:
+    """The run's exploration workers for the duration of the flow; none in mode ``none``."""
+    launcher = launcher_from_env()
+    n = cfg.exploration.workers if cfg.exploration.mode != "none" else 0
+    if not isinstance(launcher, SkyLauncher):
+        with local_workers(cfg):
+            yield
+        return
+    config = cfg.model_dump(mode="json")
+    names = [launcher.start("explore", i, config)[0] for i in range(n)]
+    try:
+        yield
+    finally:
+        for name in names:  # workers exit by themselves when idle; cancel the ones still waiting
+            launcher.jobs.cancel(name)
 
 
 @contextmanager

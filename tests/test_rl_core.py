@@ -84,3 +84,25 @@ def test_first_on_policy_log_ratio_is_zero_and_update_moves_policy():
     assert stats[0]["max_abs_log_ratio"] < 1e-5, "re-evaluated log-probs must match the sampler's on-policy"
     assert stats[-1]["max_abs_log_ratio"] > 1e-6, "after optimizer steps the policy has moved"
     assert any(not torch.equal(before[k], v) for k, v in policy.trainable_state().items())
+
+
+def test_jpeg_compressibility_prefers_simple_images():
+    from spotlight.rewards import JpegCompressibility
+
+    flat = -torch.ones(1, 1, 16, 16)
+    noisy = torch.rand(1, 1, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    rewards = JpegCompressibility()(torch.cat([flat, noisy]), ["a handwritten digit 1"] * 2)
+    assert rewards.shape == (2,) and rewards[0] > rewards[1] and (rewards < 0).all()
+
+
+def test_classifier_reward_is_probability_of_the_prompted_digit():
+    from spotlight.models.classifier import DigitClassifier
+    from spotlight.rewards import ClassifierReward
+
+    torch.manual_seed(0)
+    model = DigitClassifier(width=4).eval()
+    images = torch.rand(3, 1, 16, 16) * 2 - 1
+    prompts = ["a handwritten digit 0", "a handwritten digit 5", "a handwritten digit 9"]
+    rewards = ClassifierReward("digit_classifier", model, model)(images, prompts)
+    probs = model(images)
+    torch.testing.assert_close(rewards, probs[torch.arange(3), torch.tensor([0, 5, 9])])
