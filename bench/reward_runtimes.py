@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from spotlight import reward_runtime as rr  # noqa: E402
 from spotlight.reward_models import VIT_B16, build_vit  # noqa: E402
 
-# Repeats that keep the whole vit-b16 run under 15 minutes on 2 CPU cores.
+# vit-b16: 3 repeats took 17 min on 2 shared cores (load ~3), est. ~11 min idle; see docs/reward_runtimes.md.
 DEFAULT_REPEATS = {"vit-b16": 3, "digits-cnn": 30}
 
 

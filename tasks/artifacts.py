@@ -20,12 +20,11 @@ from prefect.runtime import flow_run
 from spotlight.store import RunStore
 from tasks.stages import open_run
 
-try:  # the cost ledger is optional: runs without one show "n/a"
-    from spotlight import cost as _cost
-except ImportError:
-    _cost = None
+from spotlight import cost as _cost
 
 NA = "n/a"
+EXPLORATION = ("explor", "selected_std", "replaced", "low_variance", "planner", "worker_util", "ranking",
+               "timing_critical")
 # rows published so far, per (flow run, run name): each iteration republishes the whole table
 _rows: dict[tuple[str | None, str], list[dict[str, Any]]] = defaultdict(list)
 
@@ -42,7 +41,7 @@ def _fmt(value: Any) -> Any:
 
 def cost_so_far(store: RunStore) -> str:
     """The run's spend from its cost ledger (``spotlight.cost``), or "n/a" when the run has none."""
-    if _cost is None or not store.list(_cost.PREFIX):
+    if not store.list(_cost.PREFIX):
         return NA
     try:
         total = _cost.total(store)
@@ -63,7 +62,7 @@ def iteration_row(iteration: int, update_metrics: dict[str, Any], eval_metrics: 
         "within-group std": _fmt(update_metrics["within_group_std"]),
         "zero-variance fraction": _fmt(update_metrics["zero_variance_groups"]),
     }
-    row.update({k.replace("_", " "): _fmt(v) for k, v in sorted(update_metrics.items()) if k.startswith("explor")})
+    row.update({k.replace("_", " "): _fmt(v) for k, v in sorted(update_metrics.items()) if k.startswith(EXPLORATION)})
     row["update seconds"] = _fmt(update_metrics.get("seconds"))
     row["cost so far"] = cost
     return row
