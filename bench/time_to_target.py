@@ -6,7 +6,7 @@ Held-out reward is evaluated after every iteration (ODE, fixed seeds); evaluatio
 measurement are not counted as training time. Wall-clock to target = the sum of the critical-path
 seconds of the iterations up to the first one whose policy reaches the target.
 
-    .venv/bin/python bench/time_to_target.py --target 0.97 --iterations 20
+    .venv/bin/python bench/time_to_target.py --iterations 20 --seeds 0,1
 """
 
 from __future__ import annotations
@@ -55,35 +55,55 @@ def to_target(evals: list[float], seconds: list[float], target: float) -> tuple[
     return None, None
 
 
-def main(target: float = 0.97, iterations: int = 20, seeds: str = "0", out: Path = typer.Option(None),
-         extra: list[str] = typer.Option([], "--set")) -> None:
+def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds: str = "0",
+         out: Path = typer.Option(None), extra: list[str] = typer.Option([], "--set")) -> None:
     root = out or Path(tempfile.mkdtemp(prefix="time-to-target-"))
     console = Console()
-    results: dict[str, list[tuple[int | None, float | None, float]]] = {m: [] for m in MODES}
-    for seed in [int(s) for s in seeds.split(",")]:
+    goals = [float(x) for x in targets.split(",")]
+    seed_list = [int(s) for s in seeds.split(",")]
+    curves: dict[str, list[tuple[list[float], list[float]]]] = {m: [] for m in MODES}
+    for seed in seed_list:
         for mode in MODES:
             console.print(f"running mode {mode}, seed {seed} ...")
-            evals, seconds = curve(run_mode(mode, seed, iterations, root, extra), iterations)
-            its, secs = to_target(evals, seconds, target)
-            results[mode].append((its, secs, sum(seconds) / len(seconds)))
-    table = Table(title=f"time to held-out reward >= {target} (trainer on CPU 0, one exploration worker on CPU 1)")
-    for col in ("mode", "iterations to target", "wall-clock s to target", "x faster than none",
-                "critical path s/iteration", "vs none"):
+            curves[mode].append(curve(run_mode(mode, seed, iterations, root, extra), iterations))
+
+    per_iter = {m: sum(sum(s) / len(s) for _, s in curves[m]) / len(seed_list) for m in MODES}
+    table = Table(title=f"critical path per iteration (trainer on CPU 0, one exploration worker on CPU 1), "
+                        f"mean of seeds {seeds}")
+    for col in ("mode", "critical path s/iteration", "vs none", "held-out reward after the last iteration"):
         table.add_column(col)
-
-    def mean(xs: list[float | None]) -> float | None:
-        return None if any(x is None for x in xs) else sum(xs) / len(xs)
-
-    base_secs = mean([r[1] for r in results["none"]])
-    base_iter = mean([r[2] for r in results["none"]])
     for mode in MODES:
-        its, secs, per_it = mean([r[0] for r in results[mode]]), mean([r[1] for r in results[mode]]), \
-            mean([r[2] for r in results[mode]])
-        table.add_row(mode, "not reached" if its is None else f"{its:.1f}",
-                      "-" if secs is None else f"{secs:.1f}",
-                      "-" if secs is None or base_secs is None else f"{base_secs / secs:.2f}x",
-                      f"{per_it:.2f}", f"{per_it / base_iter:.2f}x")
+        final = sum(e[-1] for e, _ in curves[mode]) / len(seed_list)
+        table.add_row(mode, f"{per_iter[mode]:.2f}", f"{per_iter[mode] / per_iter['none']:.2f}x", f"{final:.3f}")
     console.print(table)
+
+    table = Table(title=f"iterations and wall-clock seconds to a held-out reward target ({iterations} iterations "
+                        f"at most; mean over seeds {seeds})")
+    for col in ("target", *[f"{m}: iterations / s" for m in MODES], "spotlight x faster than none"):
+        table.add_column(col)
+    for goal in goals:
+        cells, secs = [], {}
+        for mode in MODES:
+            hits = [to_target(e, s, goal) for e, s in curves[mode]]
+            if all(h[0] is not None for h in hits):
+                its = sum(h[0] for h in hits) / len(hits)
+                secs[mode] = sum(h[1] for h in hits) / len(hits)
+                cells.append(f"{its:.1f} / {secs[mode]:.1f}")
+            else:
+                reached = sum(h[0] is not None for h in hits)
+                cells.append(f"not reached ({reached}/{len(hits)} seeds)")
+        if "spotlight" in secs and "none" in secs:
+            ratio = f"{secs['none'] / secs['spotlight']:.2f}x"
+        elif "spotlight" in secs:  # none never got there: its whole run is a lower bound on its time
+            bound = sum(sum(s) for _, s in curves["none"]) / len(seed_list)
+            ratio = f"> {bound / secs['spotlight']:.2f}x (none not reached)"
+        else:
+            ratio = "-"
+        table.add_row(f"{goal:.3f}", *cells, ratio)
+    console.print(table)
+    for mode in MODES:
+        for seed, (evals, _) in zip(seed_list, curves[mode]):
+            console.print(f"held-out reward, {mode} seed {seed}: " + " ".join(f"{v:.3f}" for v in evals))
     console.print(f"runs kept under {root}")
 
 

@@ -66,7 +66,16 @@ class SamplerSection(Section):
 class RewardsSection(Section):
     train: str = "digit_classifier"
     eval: str = "heldout_classifier"
-    runtime: str = "eager"
+    runtime: str = Field("eager", description="reward-model runtime, or auto (fastest measured that passes parity)")
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime(cls, name: str) -> str:
+        from spotlight.reward_runtime import RUNTIMES
+
+        if name not in (*RUNTIMES, "auto"):
+            raise ValueError(f"unknown reward runtime {name!r}; runtimes: auto, {', '.join(RUNTIMES)}")
+        return name
 
     @field_validator("train", "eval")
     @classmethod

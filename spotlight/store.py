@@ -105,6 +105,17 @@ def s3_storage_options(storage_options: dict[str, Any] | None = None) -> dict[st
     return options
 
 
+def _durable_temp(path: str, data: bytes) -> str:
+    """Write ``data`` to a fsynced temp file beside ``path`` (to be renamed or linked into place)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -193,13 +204,7 @@ class RunStore:
         """Write an object. Atomic locally (temp file + rename); a single PUT on S3."""
         path = self.path(key)
         if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(_durable_temp(path, data), path)
         else:  # one PUT of the whole object: S3 never shows a partial object, and a retry is a clean redo
             with_retries(f"write {self.url}/{key}", lambda: self.fs.pipe_file(path, data))
 
@@ -207,12 +212,7 @@ class RunStore:
         """Create-only write: raises AlreadyExistsError if the object exists (the claim primitive)."""
         path = self.path(key)
         if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            tmp = _durable_temp(path, data)
             try:
                 os.link(tmp, path)  # atomic and exclusive, like O_EXCL, but never exposes a partial file
             except FileExistsError as e:

@@ -22,6 +22,7 @@ def test_default_config_file_matches_defaults():
     ("rewards.train=aesthetic", "unknown reward 'aesthetic'"),
     ("rewards.eval=nope", "known rewards: digit_classifier, heldout_classifier, jpeg_compressibility"),
     ("exploration.mode=fast", "exploration.mode"),
+    ("rewards.runtime=tensorrt", "unknown reward runtime 'tensorrt'"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:
