@@ -111,7 +111,7 @@ class GRPOSection(Section):
 class ExplorationSection(Section):
     """Seed exploration: none (random seeds), sync (fresh weights, on the critical path), spotlight (stale, overlapped)."""
 
-    mode: Literal["none", "sync", "spotlight"] = "none"
+    mode: Literal["none", "sync", "spotlight"] = "spotlight"
     candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the first-iteration default")
     max_candidates_per_prompt: int = Field(64, ge=1)
     seeds_per_batch: int = Field(8, ge=1, description="a work unit: seeds rolled out together (fixed composition)")

@@ -4,6 +4,7 @@ or SkyPilot spot jobs running the same command (sky/explore_worker.yaml) when SP
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -14,6 +15,8 @@ from typing import Iterator
 
 from spotlight.config import Config
 from tasks.launcher import SkyLauncher, launcher_from_env
+
+PR_SET_PDEATHSIG = 1
 
 
 @contextmanager
@@ -34,6 +37,12 @@ def exploration_workers(cfg: Config) -> Iterator[None]:
             launcher.jobs.cancel(name)
 
 
+def _term_with_parent() -> None:
+    """Linux: SIGTERM the worker when the flow's process dies (even by kill -9), so none is orphaned;
+    on SIGTERM a worker records what it finished and releases its item."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @contextmanager
 def local_workers(cfg: Config) -> Iterator[list[subprocess.Popen]]:
     """Start ``exploration.workers`` worker processes for the run; SIGTERM them (they commit and release) on exit."""
@@ -43,7 +52,8 @@ def local_workers(cfg: Config) -> Iterator[list[subprocess.Popen]]:
         cmd = [exe, "worker", "--run", cfg.run_url, "--id", f"local-{i}", "--idle-exit", "86400", "--poll-seconds", "0.05",
                "--lease-seconds", str(cfg.exploration.lease_seconds)]
         env = dict(os.environ, OMP_NUM_THREADS=str(cfg.run.threads))
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_term_with_parent)
         if cfg.exploration.worker_cpus:
             os.sched_setaffinity(proc.pid, set(cfg.exploration.worker_cpus))
         procs.append(proc)
