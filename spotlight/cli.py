@@ -62,7 +62,7 @@ def stage(name: str = typer.Argument(..., help=f"pretrain, {', '.join(STAGES)}")
     run = open_run(config_with(config, overrides, run_url), bars)
     commit = pretrain(run) if name == "pretrain" else STAGES[name](run, iteration)
     bars.close()
-    console.print(f"committed {run.store.url}/{commit.name}")
+    console.print(f"committed {run.store.url}/{commit.name}", soft_wrap=True, highlight=False)
 
 
 @app.command()

@@ -114,12 +114,12 @@ class ExplorationSection(Section):
     mode: Literal["none", "sync", "spotlight"] = "spotlight"
     candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the first-iteration default")
     max_candidates_per_prompt: int = Field(64, ge=1)
-    seeds_per_batch: int = Field(8, ge=1, description="a work unit: seeds rolled out together (fixed composition)")
+    seeds_per_batch: int = Field(16, ge=1, description="a work unit: seeds rolled out together (fixed composition)")
     steps: int | None = Field(None, ge=1, description="SDE steps of an exploration rollout (default: sampler.train_steps)")
-    extra_prompts: int = Field(4, ge=0, description="explore this many more prompt groups than are trained; the "
+    extra_prompts: int = Field(2, ge=0, description="explore this many more prompt groups than are trained; the "
                                "filter keeps the highest-variance ones, so low-variance prompts are replaced")
     min_std: float = Field(0.02, ge=0, description="a kept group below this std is reported as low-variance")
-    budget_scale: float = Field(0.4, gt=0, description="exploration pool throughput relative to the trainer, in forward passes (measured: bench/time_to_target.py)")
+    budget_scale: float = Field(0.7, gt=0, description="exploration pool throughput relative to the trainer, in forward passes (measured: bench/time_to_target.py)")
     workers: int = Field(1, ge=0, description="local worker processes in the embedded default (0: explore in-process)")
     worker_cpus: list[int] | None = Field(None, description="pin local workers to these CPUs")
     lease_seconds: float = Field(30.0, gt=0)

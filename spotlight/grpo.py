@@ -54,14 +54,21 @@ class UpdateBatch:
 def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                batch: UpdateBatch, *, minibatch_size: int, clip_range: float, noise_level: float,
                guidance: float, max_grad_norm: float, kl_beta: float = 0.0, reference: Policy | None = None,
-               generator: torch.Generator) -> list[dict[str, float]]:
-    """One pass over all (sample, timestep) rows in a seeded shuffled order; one optimizer step per minibatch."""
+               generator: torch.Generator, rank: int = 0, world: int = 1) -> list[dict[str, float]]:
+    """One pass over all (sample, timestep) rows in a seeded shuffled order; one optimizer step per minibatch.
+
+    Data parallel (``world`` > 1, the policy wrapped in DDP): every rank holds the same rollouts and
+    draws the same order, takes rows ``rank::world`` of each minibatch and scales its loss so the
+    gradient DDP averages is exactly the gradient of the whole minibatch's mean loss.
+    """
     ro = batch.rollout
     n, steps = ro.log_probs.shape
     rows = torch.randperm(n * steps, generator=generator)
     stats = []
     for start in range(0, len(rows), minibatch_size):
-        sel = rows[start : start + minibatch_size]
+        whole = rows[start : start + minibatch_size]
+        sel = whole[rank::world]
+        share = len(sel) * world / len(whole)  # 1.0 exactly in a single process
         i, k = sel // steps, sel % steps
         x, x_next = ro.latents[i, k], ro.latents[i, k + 1]
         uncond = batch.uncond[i] if batch.uncond is not None else None
@@ -75,9 +82,10 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
             loss = loss + kl_beta * kl.mean()
             st["kl_ref"] = kl.mean().item()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * share).backward()
         st["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         optimizer.step()
         st["loss"] = loss.item()
+        st["rows"] = len(sel)
         stats.append(st)
     return stats

@@ -10,11 +10,13 @@ Iteration t uses policy theta_t (theta_0 = the pretrained base):
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from accelerate import Accelerator
 
 from spotlight.config import Config, ConfigError, config_from_dict
 from spotlight.data import DIGIT_PROMPTS, NUM_CLASSES
@@ -105,6 +107,11 @@ class Run:
                              batch_size=self.cfg.grpo.prompts_per_iteration * self.cfg.grpo.group_size,
                              cache_url=f"{self.cache.url}/reward-runtime", model_name=model_name)
         return ClassifierReward(name, model, scorer)
+
+
+def distributed() -> bool:
+    """Launched as one of several processes (accelerate launch / torchrun set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def open_run(cfg: Config, progress: Progress = _no_progress) -> Run:
@@ -325,13 +332,26 @@ def update(run: Run, t: int) -> Commit:
     batch = UpdateBatch(rollout, policy.encode_prompts(prompts),
                         policy.encode_prompts([""] * len(prompts)) if sc.guidance != 1.0 else None,
                         advantages, sigma_schedule(sc.train_steps, sc.shift))
+    # Under `accelerate launch` (sky/update.yaml, several GPUs or nodes) the transformer is wrapped in
+    # DDP and every rank trains on its share of each minibatch; in one process this changes nothing.
+    accelerator = Accelerator(cpu=True) if distributed() else None
+    if accelerator is not None:
+        policy.transformer, optimizer = accelerator.prepare(policy.transformer, optimizer)
     policy.train()
     stats: list[dict[str, float]] = []
     for epoch in range(gc.epochs):
         stats += grpo_epoch(policy, params, optimizer, batch, minibatch_size=gc.minibatch_size,
                             clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
                             max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, reference=reference,
-                            generator=generator(cfg.run.seed, "minibatches", t, epoch))
+                            generator=generator(cfg.run.seed, "minibatches", t, epoch),
+                            rank=accelerator.process_index if accelerator else 0,
+                            world=accelerator.num_processes if accelerator else 1)
+    if accelerator is not None:
+        policy.transformer = accelerator.unwrap_model(policy.transformer)
+        optimizer = optimizer.optimizer  # the plain AdamW inside accelerate's wrapper
+        if not accelerator.is_main_process:  # one writer; the others wait for its commit
+            accelerator.wait_for_everyone()
+            return run.store.load(key)
     group_std = grouped.std(dim=1)
     metrics = {
         "iteration": t,
@@ -344,6 +364,7 @@ def update(run: Run, t: int) -> Commit:
         "clip_frac": sum(s["clip_frac"] for s in stats) / len(stats),
         "approx_kl": sum(s["approx_kl"] for s in stats) / len(stats),
         "optimizer_steps": len(stats),
+        "data_parallel_processes": accelerator.num_processes if accelerator else 1,
         "seconds": time.perf_counter() - started,
     }
     objects = {
@@ -353,6 +374,8 @@ def update(run: Run, t: int) -> Commit:
         "metrics.json": json_bytes(metrics),
     }
     commit = run.store.commit(key, objects, {"iteration": t})
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
     run.progress("RL iterations", t + 1, gc.iterations)
     return commit
 

@@ -80,7 +80,7 @@ def test_first_on_policy_log_ratio_is_zero_and_update_moves_policy():
     batch = UpdateBatch(rollout, policy.encode_prompts(prompts), None, adv, sigma_schedule(4, 3.0))
     stats = grpo_epoch(policy, params, torch.optim.AdamW(params, lr=1e-3), batch, minibatch_size=8, clip_range=0.2,
                        noise_level=0.7, guidance=1.0, max_grad_norm=1.0, generator=torch.Generator().manual_seed(0))
-    assert len(stats) == 4  # 8 samples x 4 steps = 32 rows, minibatches of 8
+    assert len(stats) == 4 and all(s["rows"] == 8 for s in stats)  # 8 samples x 4 steps = 32 rows, minibatches of 8
     assert stats[0]["max_abs_log_ratio"] < 1e-5, "re-evaluated log-probs must match the sampler's on-policy"
     assert stats[-1]["max_abs_log_ratio"] > 1e-6, "after optimizer steps the policy has moved"
     assert any(not torch.equal(before[k], v) for k, v in policy.trainable_state().items())
@@ -106,3 +106,16 @@ def test_classifier_reward_is_probability_of_the_prompted_digit():
     rewards = ClassifierReward("digit_classifier", model, model)(images, prompts)
     probs = model(images)
     torch.testing.assert_close(rewards, probs[torch.arange(3), torch.tensor([0, 5, 9])])
+
+
+def test_data_parallel_ranks_split_each_minibatch():
+    policy = tiny_policy()
+    prompts, seeds = PROMPTS * 2, list(range(4))
+    rollout = sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7, shift=3.0)
+    batch = UpdateBatch(rollout, policy.encode_prompts(prompts), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                        sigma_schedule(3, 3.0))
+    params = list(policy.transformer.parameters())
+    stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=0.0), batch, minibatch_size=5, clip_range=0.2,
+                       noise_level=0.7, guidance=1.0, max_grad_norm=1.0, generator=torch.Generator().manual_seed(0),
+                       rank=1, world=2)
+    assert [s["rows"] for s in stats] == [2, 2, 1]  # 12 rows: minibatches of 5, 5, 2; rank 1 takes every 2nd
