@@ -75,7 +75,7 @@ def _worker_pids(run_url: str) -> list[int]:
 
 def test_spotlight_run_with_killed_worker_equals_clean_run(tmp_path: Path, cache_url):
     common = [*SMALL, f"run.cache_url={cache_url}", "exploration.mode=spotlight", "grpo.iterations=4",
-              "exploration.candidates_per_prompt=12", "exploration.seeds_per_batch=4",
+              "exploration.candidates_per_prompt=12", "exploration.seeds_per_batch=4", "exploration.extra_prompts=4",
               "exploration.ranking_every=2", "exploration.lease_seconds=3", "exploration.stall_seconds=6"]
     clean = tmp_path / "clean"
     result = subprocess.run(spotlight_cmd("run", overrides=[*common, f"run.url=file://{clean}",
