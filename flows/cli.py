@@ -7,14 +7,15 @@ from typing import Optional
 
 import typer
 
-from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, config_with, main, print_summary
+from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
+from spotlight.config import load_config
 from spotlight.report import Summary
 
 
 @app.command()
 def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
     """Run (or resume) post-training as a Prefect flow: pretrain, then explore -> filter -> update."""
-    config_with(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
+    load_config(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
     from flows.post_train import post_train
 
     summary = post_train(config_path=str(config), run_url=run_url, overrides=overrides)

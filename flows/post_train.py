@@ -28,7 +28,7 @@ from tasks.workers import exploration_workers
 def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = None,
                overrides: list[str] | None = None) -> dict[str, Any]:
     """Flow-GRPO post-training of the configured policy, committing every stage to the run store."""
-    cfg = load_config(config_path, [*(overrides or []), *([f"run.url={run_url}"] if run_url else [])])
+    cfg = load_config(config_path, overrides, run_url)
     if cfg.run.cpus:
         os.sched_setaffinity(0, set(cfg.run.cpus))
     config, mode, n = cfg.model_dump(mode="json"), cfg.exploration.mode, cfg.grpo.iterations

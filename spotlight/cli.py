@@ -25,10 +25,6 @@ SetOpt = typer.Option([], "--set", "-s", help="override a setting: section.key=v
 RunUrlOpt = typer.Option(None, "--run", help="run store URL (file://... or s3://...); default from the config")
 
 
-def config_with(config: Path, overrides: list[str], run_url: str | None):
-    return load_config(config, [*overrides, *([f"run.url={run_url}"] if run_url else [])])
-
-
 def print_summary(summary: Summary) -> None:
     table = Table(title=f"Spotlight run {summary.run_url}")
     table.add_column("what")
@@ -59,7 +55,7 @@ def stage(name: str = typer.Argument(..., help=f"pretrain, {', '.join(STAGES)}")
     if name != "pretrain" and name not in STAGES:
         raise typer.BadParameter(f"unknown stage {name!r}; stages: pretrain, {', '.join(STAGES)}")
     bars = ProgressBars()
-    run = open_run(config_with(config, overrides, run_url), bars)
+    run = open_run(load_config(config, overrides, run_url), bars)
     commit = pretrain(run) if name == "pretrain" else STAGES[name](run, iteration)
     bars.close()
     console.print(f"committed {run.store.url}/{commit.name}", soft_wrap=True, highlight=False)
@@ -68,7 +64,7 @@ def stage(name: str = typer.Argument(..., help=f"pretrain, {', '.join(STAGES)}")
 @app.command()
 def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
     """Write the reward curve and sample grid of a run from what it committed, and print its summary."""
-    print_summary(write_report(open_run(config_with(config, overrides, run_url))))
+    print_summary(write_report(open_run(load_config(config, overrides, run_url))))
 
 
 @app.command()

@@ -215,8 +215,11 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
         raise _explain(e, source) from None
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML config (or the defaults) and apply ``section.key=value`` overrides."""
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                run_url: str | None = None) -> Config:
+    """Load a YAML config (or the defaults), apply ``section.key=value`` overrides, and point it at
+    ``run_url`` if given (the CLI's ``--run``, the flow's ``run_url`` parameter)."""
+    overrides = [*(overrides or []), *([f"run.url={run_url}"] if run_url else [])]
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -226,5 +229,5 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"invalid config {source}: top level must be a mapping of sections")
-    data = _merge(data, parse_overrides(overrides or []))
+    data = _merge(data, parse_overrides(overrides))
     return config_from_dict(data, source + (f" with overrides {overrides}" if overrides else ""))

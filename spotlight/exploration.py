@@ -62,20 +62,23 @@ def make_items(prompts: list[str], seeds: list[list[int]], batch: int) -> list[d
     return items
 
 
+def rollout_rewards(run, policy, prompt: str, seeds: list[int]) -> list[float]:
+    """Training rewards of one exploration batch: SDE rollouts of ``prompt`` with these seeds."""
+    cfg = run.cfg
+    prompts = [prompt] * len(seeds)
+    rollout = sample_sde(policy, prompts, seeds, cfg.exploration.steps or cfg.sampler.train_steps,
+                         cfg.sampler.noise_level, cfg.sampler.shift, cfg.sampler.guidance)
+    return run.reward(cfg.rewards.train)(rollout.images, prompts).tolist()
+
+
 def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Roll out each unit's seed batch with the exploring policy; yield its rewards as soon as it is done."""
-    cfg, ec = run.cfg, run.cfg.exploration
-    policy = run.cached_policy(policy_iteration(cfg, t))
-    reward = run.reward(cfg.rewards.train)
-    steps = ec.steps or cfg.sampler.train_steps
+    policy = run.cached_policy(policy_iteration(run.cfg, t))
     for unit in units:
         seeds = item["batches"][unit]
         started = time.perf_counter()
-        prompts = [item["prompt"]] * len(seeds)
-        rollout = sample_sde(policy, prompts, seeds, steps, cfg.sampler.noise_level, cfg.sampler.shift,
-                             cfg.sampler.guidance)
-        rewards = reward(rollout.images, prompts)
-        yield unit, {"seeds": seeds, "rewards": rewards.tolist(), "seconds": time.perf_counter() - started}
+        rewards = rollout_rewards(run, policy, item["prompt"], seeds)
+        yield unit, {"seeds": seeds, "rewards": rewards, "seconds": time.perf_counter() - started}
 
 
 def explore_queue(run, t: int, items: list[dict[str, Any]], inline: bool) -> dict[str, Any]:

@@ -271,10 +271,10 @@ def filter_seeds(run: Run, t: int) -> Commit:
         rows.append({"prompt": prompt, "candidates": len(seeds), "std": sel.std, "random_std": sel.random_std,
                      "gain": sel.std - sel.random_std, "kept": False})
     # keep the P groups with the most variance: low-variance prompts are replaced by extra ones
-    order = sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[: cfg.grpo.prompts_per_iteration]
-    for i in sorted(order):
+    best = sorted(sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[: cfg.grpo.prompts_per_iteration])
+    for i in best:
         rows[i]["kept"] = True
-    kept = {"prompts": [explored["prompts"][i] for i in sorted(order)], "seeds": [selections[i].seeds for i in sorted(order)]}
+    kept = {"prompts": [explored["prompts"][i] for i in best], "seeds": [selections[i].seeds for i in best]}
     kept_rows = [r for r in rows if r["kept"]]
     stats = {"prompts": rows, "selected_std": sum(r["std"] for r in kept_rows) / len(kept_rows),
              "random_std": sum(r["random_std"] for r in rows) / len(rows),
@@ -295,13 +295,8 @@ def ranking_check(run: Run, t: int) -> Commit:
     fresh = run.cached_policy(t)
     rows = []
     for item, stale in list(zip(items, table["rewards"]))[: run.cfg.exploration.ranking_prompts]:
-        rewards = []
-        for unit in item["units"]:
-            seeds = item["batches"][unit]
-            ro = sample_sde(fresh, [item["prompt"]] * len(seeds), seeds, run.cfg.exploration.steps or
-                            run.cfg.sampler.train_steps, run.cfg.sampler.noise_level, run.cfg.sampler.shift,
-                            run.cfg.sampler.guidance)
-            rewards += run.reward(run.cfg.rewards.train)(ro.images, [item["prompt"]] * len(seeds)).tolist()
+        rewards = [r for unit in item["units"]
+                   for r in exploration.rollout_rewards(run, fresh, item["prompt"], item["batches"][unit])]
         rows.append({"prompt": item["prompt"], "spearman": exploration.spearman(stale, rewards), "n": len(rewards)})
     result = {"iteration": t, "stale_policy": stale_at, "fresh_policy": t, "prompts": rows,
               "spearman": sum(r["spearman"] for r in rows) / len(rows)}

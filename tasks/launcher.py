@@ -283,7 +283,6 @@ def on_flow_cancellation(flow: Any, flow_run: Any, state: Any) -> None:
     if not isinstance(launcher_from_env(), SkyLauncher):
         return
     params = flow_run.parameters
-    cfg = load_config(params.get("config_path", "configs/tiny.yaml"),
-                      [*(params.get("overrides") or []), *([f"run.url={params['run_url']}"] if params.get("run_url") else [])])
+    cfg = load_config(params.get("config_path", "configs/tiny.yaml"), params.get("overrides"), params.get("run_url"))
     names = SkyLauncher().cancel_run(cfg.run_url)
     logging.getLogger(__name__).warning("flow cancelled: cancelled managed jobs %s", names)
