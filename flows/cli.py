@@ -10,12 +10,14 @@ import typer
 from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
 from spotlight.config import load_config
 from spotlight.report import Summary
+from spotlight.stages import compute_device
 
 
 @app.command()
 def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
     """Run (or resume) post-training as a Prefect flow: pretrain, then explore -> filter -> update."""
-    load_config(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
+    cfg = load_config(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
+    compute_device(cfg.run.device)  # so does a device this machine does not have
     from flows.post_train import post_train
 
     summary = post_train(config_path=str(config), run_url=run_url, overrides=overrides)

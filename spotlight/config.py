@@ -27,6 +27,16 @@ class RunSection(Section):
     seed: int = 0
     threads: int = Field(1, ge=1, description="torch threads; fixed so results are bit-reproducible")
     cpus: list[int] | None = Field(None, description="pin the trainer (flow process) to these CPUs")
+    device: str = Field("auto", description="where policy and rewards compute: auto (cuda if present), cpu, "
+                        "cuda or cuda:N; seeds draw on the CPU either way, so a seed means the same noise")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, name: str) -> str:
+        kind, _, index = name.partition(":")
+        if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+            raise ValueError(f"unknown device {name!r}; devices: auto, cpu, cuda, cuda:N")
+        return name
 
 
 class ModelSection(Section):

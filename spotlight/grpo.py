@@ -67,7 +67,7 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
     stats = []
     for start in range(0, len(rows), minibatch_size):
         whole = rows[start : start + minibatch_size]
-        sel = whole[rank::world]
+        sel = whole[rank::world].to(ro.latents.device)  # the order is drawn on the CPU on every device
         share = len(sel) * world / len(whole)  # 1.0 exactly in a single process
         i, k = sel // steps, sel % steps
         x, x_next = ro.latents[i, k], ro.latents[i, k + 1]

@@ -73,16 +73,16 @@ def sample_sde(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], ste
                noise_level: float, shift: float, guidance: float = 1.0) -> Rollout:
     """SDE rollouts; seed i's generator draws rollout i's initial latent and every step noise."""
     gens = rollout_generators(list(seeds))
-    sigmas = sigma_schedule(steps, shift)
+    sigmas = sigma_schedule(steps, shift).to(policy.device)
     cond = policy.encode_prompts(list(prompts))
     uncond = policy.encode_prompts([""] * len(prompts)) if guidance != 1.0 else None
-    x = draw(gens, policy.latent_shape)
+    x = draw(gens, policy.latent_shape, policy.device)
     latents, log_probs = [x], []
     for k in range(steps):
-        step_idx = torch.full((len(seeds),), k)
+        step_idx = torch.full((len(seeds),), k, device=policy.device)
         v = guided_velocity(policy, x, sigmas[step_idx], cond, uncond, guidance)
         step = sde_step(v, x, step_idx, sigmas, noise_level)
-        x = step.mean + step.std * draw(gens, policy.latent_shape)
+        x = step.mean + step.std * draw(gens, policy.latent_shape, policy.device)
         latents.append(x)
         log_probs.append(step.log_prob(x))
     return Rollout(list(prompts), [int(s) for s in seeds], torch.stack(latents, 1),
@@ -103,10 +103,10 @@ def sample_ode(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], ste
                guidance: float = 1.0) -> torch.Tensor:
     """Deterministic Euler sampling of the probability-flow ODE (evaluation); returns decoded images."""
     gens = rollout_generators(list(seeds))
-    sigmas = sigma_schedule(steps, shift)
+    sigmas = sigma_schedule(steps, shift).to(policy.device)
     cond = policy.encode_prompts(list(prompts))
     uncond = policy.encode_prompts([""] * len(prompts)) if guidance != 1.0 else None
-    x = draw(gens, policy.latent_shape)
+    x = draw(gens, policy.latent_shape, policy.device)
     for k in range(steps):
         v = guided_velocity(policy, x, sigmas[k], cond, uncond, guidance)
         x = x + (sigmas[k + 1] - sigmas[k]) * v

@@ -29,6 +29,10 @@ def rollout_generators(seeds: list[int]) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(int(s)) for s in seeds]
 
 
-def draw(gens: list[torch.Generator], shape: tuple[int, ...]) -> torch.Tensor:
-    """One standard-normal draw of ``shape`` per generator, stacked: [len(gens), *shape]."""
-    return torch.stack([torch.randn(shape, generator=g) for g in gens])
+def draw(gens: list[torch.Generator], shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """One standard-normal draw of ``shape`` per generator, stacked: [len(gens), *shape], moved to ``device``.
+
+    The generators are CPU generators on every device: a CUDA generator would draw other numbers, so
+    the same seed would mean another rollout on a GPU worker than on the CPU trainer.
+    """
+    return torch.stack([torch.randn(shape, generator=g) for g in gens]).to(device)

@@ -49,6 +49,7 @@ class Run:
     store: RunStore
     cache: RunStore
     progress: Progress = _no_progress
+    device: torch.device = torch.device("cpu")  # where this process computes (see `compute_device`)
     _rewards: dict[str, Reward] = field(default_factory=dict)
     _policies: dict[int, TinyMMDiT] = field(default_factory=dict)
 
@@ -72,7 +73,7 @@ class Run:
     # -- models ----------------------------------------------------------------------------
     def policy_at(self, t: int) -> TinyMMDiT:
         """theta_t: the base for t = 0, else the policy committed by update(t - 1)."""
-        policy = build_policy(self.cfg.model)
+        policy = build_policy(self.cfg.model).to(self.device)
         if t == 0:
             state = self.cache.load(f"{self.base_key}/final").tensors("ema.safetensors")
         else:
@@ -105,6 +106,7 @@ class Run:
         model.eval().requires_grad_(False)
         scorer = make_scorer(model, (1, 16, 16), runtime=self.cfg.rewards.runtime,
                              batch_size=self.cfg.grpo.prompts_per_iteration * self.cfg.grpo.group_size,
+                             device=str(self.device),
                              cache_url=f"{self.cache.url}/reward-runtime", model_name=model_name)
         return ClassifierReward(name, model, scorer)
 
@@ -114,13 +116,40 @@ def distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def compute_device(name: str) -> torch.device:
+    """``run.device`` on this machine: auto is cuda when torch sees a GPU. Under a multi-GPU launch each
+    process takes the GPU of its LOCAL_RANK. Asking for a GPU that is not there is an error, early."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"run.device is {name!r} but torch {torch.__version__} sees no CUDA device "
+                              f"(built for CUDA {torch.version.cuda}); use run.device=auto or cpu")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if distributed() else 0)
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"run.device is {name!r} (index {device.index}) but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def open_run(cfg: Config, progress: Progress = _no_progress) -> Run:
     """Open (or start) the run at cfg's URL. A run keeps the config it started with: another is an error.
 
-    The store URL itself is not part of the comparison: a run may be opened from wherever its store is.
+    The store URL itself is not part of the comparison: a run may be opened from wherever its store is,
+    and ``run.device: auto`` resolves per machine (same numbers for the same device type).
     """
+    device = compute_device(cfg.run.device)
     torch.set_num_threads(cfg.run.threads)
-    torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
+        # cuBLAS is deterministic only with a fixed workspace (must be set before its first call);
+        # ops without a deterministic CUDA kernel warn (naming the op) instead of stopping a run.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.cuda.set_device(device)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        torch.use_deterministic_algorithms(True)
     cfg = cfg.resolved()
     store, cache = RunStore(cfg.run_url), RunStore(cfg.cache_url)
     if store.is_committed("config"):
@@ -132,7 +161,7 @@ def open_run(cfg: Config, progress: Progress = _no_progress) -> Run:
                               + "\nuse another run.name/run.url, or the original config")
     else:
         store.commit("config", {"config.json": json_bytes(cfg.model_dump(mode="json"))})
-    return Run(cfg, store, cache, progress)
+    return Run(cfg, store, cache, progress, device)
 
 
 def open_run_from_url(url: str, progress: Progress = _no_progress) -> Run:
@@ -322,14 +351,14 @@ def update(run: Run, t: int) -> Commit:
     rollout = sample_sde(policy, prompts, seeds, sc.train_steps, sc.noise_level, sc.shift, sc.guidance)
     rewards = run.reward(cfg.rewards.train)(rollout.images, prompts)
     grouped = rewards.view(len(chosen["prompts"]), -1)
-    advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten()
+    advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten().to(run.device)
     reference = run.policy_at(0) if gc.kl_beta > 0 else None
     batch = UpdateBatch(rollout, policy.encode_prompts(prompts),
                         policy.encode_prompts([""] * len(prompts)) if sc.guidance != 1.0 else None,
-                        advantages, sigma_schedule(sc.train_steps, sc.shift))
+                        advantages, sigma_schedule(sc.train_steps, sc.shift).to(run.device))
     # Under `accelerate launch` (sky/update.yaml, several GPUs or nodes) the transformer is wrapped in
     # DDP and every rank trains on its share of each minibatch; in one process this changes nothing.
-    accelerator = Accelerator(cpu=True) if distributed() else None
+    accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
     if accelerator is not None:
         policy.transformer, optimizer = accelerator.prepare(policy.transformer, optimizer)
     policy.train()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from spotlight.config import ConfigError, load_config
 from tests.conftest import REPO, run_cli, spotlight_cmd
@@ -23,6 +24,8 @@ def test_default_config_file_matches_defaults():
     ("rewards.eval=nope", "known rewards: digit_classifier, heldout_classifier, jpeg_compressibility"),
     ("exploration.mode=fast", "exploration.mode"),
     ("rewards.runtime=tensorrt", "unknown reward runtime 'tensorrt'"),
+    ("run.device=gpu", "unknown device 'gpu'; devices: auto, cpu, cuda, cuda:N"),
+    ("run.device=cpu:1", "unknown device 'cpu:1'"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:
@@ -41,6 +44,7 @@ def test_unknown_key_in_file(tmp_path):
     ("grpo.group_size=0", "group size must be >= 2"),
     ("rewards.train=aesthetic", "unknown reward 'aesthetic'"),
     ("grpo.bogus=1", "grpo.bogus: unknown key"),
+    *([("run.device=cuda", "run.device is 'cuda' but torch")] if not torch.cuda.is_available() else []),
 ])
 def test_cli_fails_before_any_compute(tmp_path: Path, override, needle):
     result = run_cli(spotlight_cmd("run", overrides=[override, f"run.url=file://{tmp_path}/run"]), tmp_path, 120)
@@ -57,3 +61,11 @@ def test_run_refuses_a_different_config(tmp_path, small_overrides):
     open_run(load_config(REPO / "configs/tiny.yaml", small_overrides))
     with pytest.raises(ConfigError, match=r"grpo.lr: 0.0001 \(started\) vs 0.5 \(now\)"):
         open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, "grpo.lr=0.5"]))
+
+
+def test_auto_device_is_what_this_machine_has(tmp_path, small_overrides):
+    from spotlight.stages import open_run
+
+    run = open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, "run.device=auto"]))
+    assert run.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert run.cfg.run.device == "auto", "the run records the setting, so it resumes on any machine"

@@ -36,6 +36,23 @@ def test_seed_fixes_the_whole_rollout_bit_for_bit():
     assert torch.equal(a.latents[0], c.latents[0]) and not torch.equal(a.latents[1, 1:], c.latents[1, 1:])
 
 
+def test_rollouts_compute_on_the_policy_device_with_cpu_drawn_noise():
+    """The meta device stands in for a GPU here: mixing it with a CPU tensor fails as cuda would."""
+    from spotlight.sampler import sample_ode
+    from spotlight.seeding import draw, rollout_generators
+
+    policy = tiny_policy().to("meta")
+    ro = sample_sde(policy, PROMPTS, [5, 9], steps=3, noise_level=0.7, shift=3.0)
+    assert {ro.latents.device.type, ro.log_probs.device.type, ro.images.device.type} == {"meta"}
+    assert sample_ode(policy, PROMPTS, [5, 9], steps=3, shift=3.0).device.type == "meta"
+    # the draw is made by the CPU generators and only then moved: they advance exactly as on the CPU,
+    # so a seed names the same noise stream on every device
+    on_meta, on_cpu = rollout_generators([5, 9]), rollout_generators([5, 9])
+    assert draw(on_meta, (1, 4, 4), "meta").device.type == "meta"
+    draw(on_cpu, (1, 4, 4))
+    assert torch.equal(draw(on_meta, (1, 4, 4)), draw(on_cpu, (1, 4, 4)))
+
+
 def test_sde_step_log_prob_is_the_exact_gaussian_density():
     sigmas = sigma_schedule(5, 3.0)
     x, v = torch.randn(3, 1, 4, 4), torch.randn(3, 1, 4, 4)

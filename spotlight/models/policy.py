@@ -36,6 +36,7 @@ class PromptEmbeds:
 
 class Policy(Protocol):
     latent_shape: tuple[int, ...]
+    device: torch.device  # where latents live; rollout noise is drawn on the CPU and moved here
 
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds: ...
 
@@ -59,7 +60,7 @@ class FrozenPromptEncoder(nn.Module):
         unknown = [p for p in prompts if p not in self.vocab]
         if unknown:
             raise ValueError(f"prompt(s) the tiny encoder does not know: {unknown[:3]}")
-        idx = torch.tensor([self.vocab.index(p) for p in prompts])
+        idx = torch.tensor([self.vocab.index(p) for p in prompts], device=self.tokens.device)
         return PromptEmbeds(self.tokens[idx], self.pooled[idx])
 
 
@@ -83,6 +84,10 @@ class TinyMMDiT(nn.Module):
             pooled_projection_dim=cfg.pooled_projection_dim,
             pos_embed_max_size=cfg.sample_size // cfg.patch_size,
         )
+
+    @property
+    def device(self) -> torch.device:
+        return self.prompt_encoder.tokens.device
 
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         return self.prompt_encoder(prompts)
