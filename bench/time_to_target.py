@@ -56,7 +56,10 @@ def to_target(evals: list[float], seconds: list[float], target: float) -> tuple[
 
 
 def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds: str = "0",
-         out: Path = typer.Option(None), extra: list[str] = typer.Option([], "--set")) -> None:
+         out: Path = typer.Option(None), extra: list[str] = typer.Option([], "--set"),
+         reuse: bool = typer.Option(False, help="print the tables for the runs already under --out; run nothing")) -> None:
+    if reuse and out is None:
+        raise typer.BadParameter("--reuse reads the runs of an earlier bench: give its --out")
     root = out or Path(tempfile.mkdtemp(prefix="time-to-target-"))
     console = Console()
     goals = [float(x) for x in targets.split(",")]
@@ -64,8 +67,10 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
     curves: dict[str, list[tuple[list[float], list[float]]]] = {m: [] for m in MODES}
     for seed in seed_list:
         for mode in MODES:
-            console.print(f"running mode {mode}, seed {seed} ...")
-            curves[mode].append(curve(run_mode(mode, seed, iterations, root, extra), iterations))
+            if not reuse:
+                console.print(f"running mode {mode}, seed {seed} ...")
+            run = root / f"{mode}-s{seed}" if reuse else run_mode(mode, seed, iterations, root, extra)
+            curves[mode].append(curve(run, iterations))
 
     per_iter = {m: sum(sum(s) / len(s) for _, s in curves[m]) / len(seed_list) for m in MODES}
     table = Table(title=f"critical path per iteration (trainer on CPU 0, one exploration worker on CPU 1), "
@@ -79,7 +84,8 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
 
     table = Table(title=f"iterations and wall-clock seconds to a held-out reward target ({iterations} iterations "
                         f"at most; mean over seeds {seeds})")
-    for col in ("target", *[f"{m}: iterations / s" for m in MODES], "spotlight x faster than none"):
+    for col in ("target", *[f"{m}: iterations / s" for m in MODES], "spotlight x faster than none",
+                "per seed"):
         table.add_column(col)
     for goal in goals:
         cells, secs = [], {}
@@ -99,7 +105,11 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
             ratio = f"> {bound / secs['spotlight']:.2f}x (none not reached)"
         else:
             ratio = "-"
-        table.add_row(f"{goal:.3f}", *cells, ratio)
+        per_seed = []
+        for (e_n, s_n), (e_s, s_s) in zip(curves["none"], curves["spotlight"]):
+            (_, t_n), (_, t_s) = to_target(e_n, s_n, goal), to_target(e_s, s_s, goal)
+            per_seed.append("-" if t_s is None else f">{sum(s_n) / t_s:.2f}" if t_n is None else f"{t_n / t_s:.2f}")
+        table.add_row(f"{goal:.3f}", *cells, ratio, " ".join(per_seed))
     console.print(table)
     for mode in MODES:
         for seed, (evals, _) in zip(seed_list, curves[mode]):

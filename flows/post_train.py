@@ -5,8 +5,10 @@ idempotent stage function, so re-running the flow on the same run URL resumes fr
 
 Exploration modes (config ``exploration.mode``):
   none       explore(t) draws G random seeds; nothing is rolled out.
-  sync       explore(t) rolls out candidates with theta_t on the critical path, then filter, update.
-  spotlight  explore(t+1) runs on the workers with theta_t while update(t) runs: off the critical path.
+  sync       explore(t) rolls out candidates with theta_t on the critical path (trainer and workers
+             together), then filter, update.
+  spotlight  explore(0) as in sync (nothing to overlap with yet); then explore(t+1) runs on the
+             workers with theta_t while update(t) runs: off the critical path.
 """
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
     config, mode, n = cfg.model_dump(mode="json"), cfg.exploration.mode, cfg.grpo.iterations
     log = get_run_logger()
     log.info("run %s (exploration mode %s, %d iterations)", cfg.run_url, mode, n)
-    t.pretrain(config)
-    evaluations = set(t.open_run(config).eval_iterations())
-    t.evaluate(config, 0)
-    with exploration_workers(cfg):
-        if mode == "spotlight":
-            t.explore(config, 0)  # the first exploration has no stale policy to overlap with
+    evaluations = set(t.open_run(config).eval_iterations())  # commits the config: workers can open the run
+    with exploration_workers(cfg):  # booted first, so they are ready by the time the base is
+        t.pretrain(config)
+        t.evaluate(config, 0)
         for it in range(n):
             started = time.perf_counter()
-            explore_wait = t.explore(config, it) if mode != "spotlight" else 0.0
+            explore_wait = 0.0
+            if mode != "spotlight" or it == 0:  # on the critical path (spotlight's first has nothing to
+                # overlap with): the trainer would sit idle waiting, so it explores alongside the workers
+                explore_wait = t.explore(config, it, trainer_joins=True)
             t.filter_seeds(config, it)
             ahead = t.explore.submit(config, it + 1) if mode == "spotlight" and it + 1 < n else None
             update_started = time.perf_counter()
@@ -51,7 +54,7 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
             if ahead is not None:
                 wait_started = time.perf_counter()
                 ahead.result()
-                explore_wait = time.perf_counter() - wait_started  # exploration that outlasted the update
+                explore_wait += time.perf_counter() - wait_started  # exploration that outlasted the update
             timing = {"critical_path_seconds": time.perf_counter() - started, "update_seconds": update_seconds,
                       "explore_wait_seconds": explore_wait}
             if mode == "spotlight" and cfg.exploration.ranking_every and (it + 1) % cfg.exploration.ranking_every == 0 \

@@ -35,8 +35,9 @@ def print_summary(summary: Summary) -> None:
                       f"{summary.train_reward[0][1]:.3f} -> {summary.train_reward[-1][1]:.3f}")
     for it, value in summary.eval_reward:
         table.add_row(f"held-out reward, theta_{it}", f"{value:.3f}")
-    for it, rho in summary.ranking_spearman:
-        table.add_row(f"seed ranking, stale vs fresh (iteration {it})", f"Spearman rho {rho:.3f}")
+    for it, rho, rho_training in summary.ranking_spearman:
+        table.add_row(f"seed ranking, stale vs fresh (iteration {it})",
+                      f"Spearman rho {rho:.3f} ({rho_training:.3f} vs full-step training rollouts)")
     table.add_row("cost ledger", f"${summary.cost_usd:.4f} over {summary.cost_entries} stage attempts")
     if summary.eval_first_last:
         a, b = summary.eval_first_last

@@ -125,7 +125,8 @@ class ExplorationSection(Section):
     candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the first-iteration default")
     max_candidates_per_prompt: int = Field(64, ge=1)
     seeds_per_batch: int = Field(16, ge=1, description="a work unit: seeds rolled out together (fixed composition)")
-    steps: int | None = Field(None, ge=1, description="SDE steps of an exploration rollout (default: sampler.train_steps)")
+    coarsen: int = Field(2, ge=1, description="an exploration rollout takes train_steps / coarsen SDE steps on the "
+                         "training rollout's noise path (must divide sampler.train_steps; 1: full fidelity)")
     extra_prompts: int = Field(2, ge=0, description="explore this many more prompt groups than are trained; the "
                                "filter keeps the highest-variance ones, so low-variance prompts are replaced")
     min_std: float = Field(0.02, ge=0, description="a kept group below this std is reported as low-variance")
@@ -159,7 +160,15 @@ class Config(Section):
             raise ValueError(
                 f"exploration.candidates_per_prompt ({self.exploration.candidates_per_prompt}) must be >= "
                 f"grpo.group_size ({self.grpo.group_size})")
+        if self.sampler.train_steps % self.exploration.coarsen:
+            raise ValueError(f"exploration.coarsen ({self.exploration.coarsen}) must divide sampler.train_steps "
+                             f"({self.sampler.train_steps}): a coarse exploration step sums whole training steps' "
+                             "noise increments, so it ranks seeds like the training rollout")
         return self
+
+    @property
+    def exploration_steps(self) -> int:
+        return self.sampler.train_steps // self.exploration.coarsen
 
     @property
     def run_url(self) -> str:

@@ -62,12 +62,13 @@ def make_items(prompts: list[str], seeds: list[list[int]], batch: int) -> list[d
     return items
 
 
-def rollout_rewards(run, policy, prompt: str, seeds: list[int]) -> list[float]:
-    """Training rewards of one exploration batch: SDE rollouts of ``prompt`` with these seeds."""
+def rollout_rewards(run, policy, prompt: str, seeds: list[int], steps: int | None = None) -> list[float]:
+    """Training rewards of SDE rollouts of ``prompt`` with these seeds, on the training rollout's noise
+    path: with ``cfg.exploration_steps`` steps (the default: an exploration batch) or ``steps``."""
     cfg = run.cfg
     prompts = [prompt] * len(seeds)
-    rollout = sample_sde(policy, prompts, seeds, cfg.exploration.steps or cfg.sampler.train_steps,
-                         cfg.sampler.noise_level, cfg.sampler.shift, cfg.sampler.guidance)
+    rollout = sample_sde(policy, prompts, seeds, steps or cfg.exploration_steps, cfg.sampler.noise_level,
+                         cfg.sampler.shift, cfg.sampler.guidance, brownian_steps=cfg.sampler.train_steps)
     return run.reward(cfg.rewards.train)(rollout.images, prompts).tolist()
 
 
@@ -82,7 +83,9 @@ def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterat
 
 
 def explore_queue(run, t: int, items: list[dict[str, Any]], inline: bool) -> dict[str, Any]:
-    """Publish the items and wait until they are explored: by this process (inline) or by the workers.
+    """Publish the items and wait until they are explored by the workers, this process joining them
+    when ``inline`` (a trainer that would otherwise sit idle waiting: the first spotlight iteration,
+    every sync iteration, or no workers at all).
 
     A waiting stage that sees no progress for ``stall_seconds`` (every worker gone) works inline.
     """

@@ -25,7 +25,7 @@ class Summary:
     within_group_std: list[tuple[int, float]]
     reward_curve: str
     samples: str
-    ranking_spearman: list[tuple[int, float]]
+    ranking_spearman: list[tuple[int, float, float]]  # iteration, stale vs fresh, stale vs fresh training rollouts
     cost_usd: float
     cost_entries: int
 
@@ -98,7 +98,7 @@ def write_report(run: Run) -> Summary:
         within_group_std=[(m["iteration"], m["within_group_std"]) for m in updates],
         reward_curve=f"{store.url}/report/reward_curve.png",
         samples=f"{store.url}/report/samples_before_after.png",
-        ranking_spearman=[(m["iteration"], m["spearman"]) for m in rankings],
+        ranking_spearman=[(m["iteration"], m["spearman"], m["spearman_to_training"]) for m in rankings],
         cost_usd=sum(e["cost_usd"] for e in entries),
         cost_entries=len(entries),
     )

@@ -68,12 +68,35 @@ class Rollout:
     images: torch.Tensor  # [B, *image_shape] decoded final samples
 
 
+def brownian_noise(gens: list[torch.Generator], shape: tuple[int, ...], device: torch.device,
+                   fine_sigmas: torch.Tensor) -> torch.Tensor:
+    """Standard-normal noise of one step spanning the fine levels ``fine_sigmas``: the normalised sum
+    of the fine steps' Brownian increments (exactly the plain draw when the step is not coarsened)."""
+    if len(fine_sigmas) == 2:
+        return draw(gens, shape, device)
+    dts = fine_sigmas[:-1] - fine_sigmas[1:]
+    increments = sum(dt.sqrt() * draw(gens, shape, device) for dt in dts)
+    return increments / dts.sum().sqrt()
+
+
 @torch.no_grad()
 def sample_sde(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], steps: int,
-               noise_level: float, shift: float, guidance: float = 1.0) -> Rollout:
-    """SDE rollouts; seed i's generator draws rollout i's initial latent and every step noise."""
+               noise_level: float, shift: float, guidance: float = 1.0, brownian_steps: int | None = None) -> Rollout:
+    """SDE rollouts; seed i's generator draws rollout i's initial latent and every step noise.
+
+    ``brownian_steps`` (a multiple of ``steps``; default ``steps``) is the grid the seed's noise is
+    drawn on. A coarser rollout sums each span's fine increments, sqrt(dt_j) eps_j, into one step's
+    noise: it follows the *same* Brownian path as the fine rollout of that seed, only discretised
+    more coarsely, so the cheap rollout's reward ranks seeds almost as the fine one does (freshly
+    drawn coarse noise would be another rollout altogether; docs/exploration.md has the numbers).
+    """
+    fine_steps = brownian_steps or steps
+    if fine_steps % steps:
+        raise ValueError(f"brownian_steps ({fine_steps}) must be a multiple of steps ({steps})")
+    span = fine_steps // steps
     gens = rollout_generators(list(seeds))
-    sigmas = sigma_schedule(steps, shift).to(policy.device)
+    fine_sigmas = sigma_schedule(fine_steps, shift).to(policy.device)
+    sigmas = fine_sigmas[::span]  # with SD3's shift, the coarse schedule is every span-th fine level
     cond = policy.encode_prompts(list(prompts))
     uncond = policy.encode_prompts([""] * len(prompts)) if guidance != 1.0 else None
     x = draw(gens, policy.latent_shape, policy.device)
@@ -82,7 +105,8 @@ def sample_sde(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], ste
         step_idx = torch.full((len(seeds),), k, device=policy.device)
         v = guided_velocity(policy, x, sigmas[step_idx], cond, uncond, guidance)
         step = sde_step(v, x, step_idx, sigmas, noise_level)
-        x = step.mean + step.std * draw(gens, policy.latent_shape, policy.device)
+        x = step.mean + step.std * brownian_noise(gens, policy.latent_shape, policy.device,
+                                                  fine_sigmas[k * span:(k + 1) * span + 1])
         latents.append(x)
         log_probs.append(step.log_prob(x))
     return Rollout(list(prompts), [int(s) for s in seeds], torch.stack(latents, 1),

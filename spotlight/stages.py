@@ -233,6 +233,8 @@ def explore(run: Run, t: int, inline: bool | None = None) -> Commit:
 
     Mode ``none``: G random seeds per prompt, nothing rolled out. Otherwise the planner sizes the
     exploration, the work goes through the run's queue, and the explored table is committed.
+    ``inline``: this process explores too, alongside the workers (default: only if there are none).
+    Who computed a unit never changes its result, so this changes timings, not numbers.
     """
     key = run.key("explore", t)
     if run.store.is_committed(key):
@@ -246,11 +248,13 @@ def explore(run: Run, t: int, inline: bool | None = None) -> Commit:
     decision = plan_exploration(run, t, prompts)
     seeds = exploration.candidate_seeds(cfg, t, decision["counts"])
     items = exploration.make_items(prompts, seeds, ec.seeds_per_batch)
-    waited = exploration.explore_queue(run, t, items, inline=ec.workers == 0 if inline is None else inline)
+    inline = ec.workers == 0 if inline is None else inline
+    waited = exploration.explore_queue(run, t, items, inline=inline)
     seeds, rewards, rollout_seconds = exploration.gather(exploration.queue_for(run, t), items)
+    explorers = ec.workers + (1 if inline and ec.workers else 0) or 1
     stats = {**waited, "rollout_seconds": rollout_seconds, "candidates": sum(map(len, seeds)),
-             "policy_iteration": exploration.policy_iteration(cfg, t),
-             "worker_utilisation": rollout_seconds / max(waited["wall_seconds"], 1e-9) / max(ec.workers, 1)}
+             "policy_iteration": exploration.policy_iteration(cfg, t), "explorers": explorers,
+             "worker_utilisation": rollout_seconds / max(waited["wall_seconds"], 1e-9) / explorers}
     table = {"prompts": prompts, "seeds": seeds, "rewards": rewards}
     return run.store.commit(key, {"explored.json": json_bytes(table), "plan.json": json_bytes(decision),
                                   "stats.json": json_bytes(stats)}, {"mode": ec.mode})
@@ -269,7 +273,7 @@ def planner_state(run: Run, t: int) -> PlannerState:
 def plan_exploration(run: Run, t: int, prompts: list[str]) -> dict[str, Any]:
     """How many candidates each prompt gets: Thompson sampling within the update step's cost."""
     cfg, ec, gc = run.cfg, run.cfg.exploration, run.cfg.grpo
-    steps = ec.steps or cfg.sampler.train_steps
+    steps = cfg.exploration_steps
     update_forwards = update_cost_forwards(gc.prompts_per_iteration * gc.group_size, cfg.sampler.train_steps,
                                            gc.kl_beta > 0)
     budget = int(ec.budget_scale * update_forwards / steps)
@@ -314,7 +318,9 @@ def filter_seeds(run: Run, t: int) -> Commit:
 
 def ranking_check(run: Run, t: int) -> Commit:
     """Do seed rankings survive one stale iteration? Re-roll iteration t's explored candidates of a few
-    prompts with fresh theta_t and correlate (Spearman) with the rewards explored under theta_{t-1}."""
+    prompts with fresh theta_t and correlate (Spearman) with the rewards explored under theta_{t-1}:
+    ``spearman`` at exploration fidelity (staleness alone), ``spearman_to_training`` against fresh
+    full-step rollouts (staleness and coarsening together: what the update will see)."""
     key = run.key("ranking", t)
     if run.store.is_committed(key):
         return run.store.load(key)
@@ -324,11 +330,17 @@ def ranking_check(run: Run, t: int) -> Commit:
     fresh = run.cached_policy(t)
     rows = []
     for item, stale in list(zip(items, table["rewards"]))[: run.cfg.exploration.ranking_prompts]:
-        rewards = [r for unit in item["units"]
-                   for r in exploration.rollout_rewards(run, fresh, item["prompt"], item["batches"][unit])]
-        rows.append({"prompt": item["prompt"], "spearman": exploration.spearman(stale, rewards), "n": len(rewards)})
+        def rerolled(steps: int | None = None) -> list[float]:
+            return [r for unit in item["units"]
+                    for r in exploration.rollout_rewards(run, fresh, item["prompt"], item["batches"][unit], steps)]
+        rewards = rerolled()
+        training = rerolled(run.cfg.sampler.train_steps) if run.cfg.exploration.coarsen > 1 else rewards
+        rows.append({"prompt": item["prompt"], "n": len(rewards), "spearman": exploration.spearman(stale, rewards),
+                     "spearman_to_training": exploration.spearman(stale, training)})
     result = {"iteration": t, "stale_policy": stale_at, "fresh_policy": t, "prompts": rows,
-              "spearman": sum(r["spearman"] for r in rows) / len(rows)}
+              "coarsen": run.cfg.exploration.coarsen,
+              "spearman": sum(r["spearman"] for r in rows) / len(rows),
+              "spearman_to_training": sum(r["spearman_to_training"] for r in rows) / len(rows)}
     return run.store.commit(key, {"metrics.json": json_bytes(result)})
 
 
@@ -461,7 +473,9 @@ def iteration_metrics(run: Run, t: int) -> dict[str, Any]:
                 "planner_budget_candidates": decision["budget_candidates"],
                 "planner_used_candidates": decision["used_candidates"]}
     if run.store.is_committed(run.key("ranking", t)):
-        out["ranking_spearman"] = run.store.load(run.key("ranking", t)).json("metrics.json")["spearman"]
+        ranking = run.store.load(run.key("ranking", t)).json("metrics.json")
+        out["ranking_spearman"] = ranking["spearman"]
+        out["ranking_spearman_to_training"] = ranking["spearman_to_training"]
     if run.store.exists(f"timeline/{t:04d}.json"):
         out |= {f"timing_{k}": v for k, v in run.store.get_json(f"timeline/{t:04d}.json").items() if k != "iteration"}
     return out

@@ -161,6 +161,9 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
 
     # a store key: SKYPILOT_TASK_ID or a hostname may hold characters the queue does not allow
     worker_id = re.sub(r"[^A-Za-z0-9_=+-]", "-", worker_id or f"{socket.gethostname()}-{os.getpid()}")
+    # ready: imports done and the run opened (the flow waits for its local workers to get here)
+    run.store.put_json(f"workers/{worker_id}.json", {"worker": worker_id, "host": socket.gethostname(),
+                                                     "pid": os.getpid(), "ready_at": time.time()})
     stop = threading.Event()
     install_sigterm_handler(stop)
     total = WorkerStats(worker_id)

@@ -40,12 +40,13 @@ def pretrain(config: dict[str, Any]) -> str:
 
 
 @task(name="explore", task_run_name="explore-it{iteration}", **STAGE_TASK)
-def explore(config: dict[str, Any], iteration: int) -> float:
-    """Returns the seconds this task spent (waiting for the workers, in the explore modes)."""
+def explore(config: dict[str, Any], iteration: int, trainer_joins: bool = False) -> float:
+    """Returns the seconds this task spent (waiting for the workers, in the explore modes).
+    ``trainer_joins``: the flow waits for this exploration, so its process explores too."""
     started = time.perf_counter()
     run = open_run(config)
     if not run.store.is_committed(run.key("explore", iteration)):
-        explored = stages.explore(run, iteration)
+        explored = stages.explore(run, iteration, inline=True if trainer_joins else None)
         if "stats.json" in explored.manifest["objects"]:
             worker_seconds = explored.json("stats.json")["rollout_seconds"]
             cost.record(run.store, "explore", iteration, worker_seconds, 0.0, "local")

@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -43,6 +45,23 @@ def _term_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def wait_until_ready(cfg: Config, procs: list[subprocess.Popen], timeout: float = 120.0) -> None:
+    """Wait (bounded) until every local worker has opened the run, so the first exploration finds
+    them working instead of booting. A worker that dies or is late only costs speed: the trainer
+    explores too while it waits, and a stalled queue is explored in-process."""
+    from spotlight.store import RunStore
+
+    store, deadline = RunStore(cfg.run_url), time.monotonic() + timeout
+    for i, proc in enumerate(procs):
+        key = f"workers/local-{i}.json"
+        while proc.poll() is None and time.monotonic() < deadline:
+            if store.exists(key) and store.get_json(key)["pid"] == proc.pid:  # not a previous flow's record
+                break
+            time.sleep(0.05)
+        else:
+            warnings.warn(f"exploration worker local-{i} is not ready (exit code {proc.poll()}); going on without it")
+
+
 @contextmanager
 def local_workers(cfg: Config) -> Iterator[list[subprocess.Popen]]:
     """Start ``exploration.workers`` worker processes for the run; SIGTERM them (they commit and release) on exit."""
@@ -58,6 +77,7 @@ def local_workers(cfg: Config) -> Iterator[list[subprocess.Popen]]:
             os.sched_setaffinity(proc.pid, set(cfg.exploration.worker_cpus))
         procs.append(proc)
     try:
+        wait_until_ready(cfg, procs)
         yield procs
     finally:
         for proc in procs:

@@ -26,6 +26,7 @@ def test_default_config_file_matches_defaults():
     ("rewards.runtime=tensorrt", "unknown reward runtime 'tensorrt'"),
     ("run.device=gpu", "unknown device 'gpu'; devices: auto, cpu, cuda, cuda:N"),
     ("run.device=cpu:1", "unknown device 'cpu:1'"),
+    ("exploration.coarsen=3", "exploration.coarsen (3) must divide sampler.train_steps (10)"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:

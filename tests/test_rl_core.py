@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from spotlight.config import ModelSection
@@ -51,6 +52,37 @@ def test_rollouts_compute_on_the_policy_device_with_cpu_drawn_noise():
     assert draw(on_meta, (1, 4, 4), "meta").device.type == "meta"
     draw(on_cpu, (1, 4, 4))
     assert torch.equal(draw(on_meta, (1, 4, 4)), draw(on_cpu, (1, 4, 4)))
+
+
+def test_coarse_rollout_follows_the_fine_rollouts_brownian_path():
+    """A 3-step rollout on a 6-step noise grid: each coarse increment is the sum of two fine ones."""
+    from spotlight.sampler import brownian_noise
+    from spotlight.seeding import draw, rollout_generators
+
+    fine = sigma_schedule(6, 3.0)
+    coarse, plain = rollout_generators([5, 9]), rollout_generators([5, 9])
+    for k in range(3):
+        span = fine[2 * k:2 * k + 3]
+        dt = span[:-1] - span[1:]
+        summed = dt[0].sqrt() * draw(plain, (1, 4, 4)) + dt[1].sqrt() * draw(plain, (1, 4, 4))
+        torch.testing.assert_close(dt.sum().sqrt() * brownian_noise(coarse, (1, 4, 4), "cpu", span), summed)
+    # not coarsened: exactly the plain draw, so full-step rollouts keep their bits
+    assert torch.equal(brownian_noise(rollout_generators([5]), (1, 4, 4), "cpu", fine[:2]),
+                       draw(rollout_generators([5]), (1, 4, 4)))
+
+
+def test_coupled_coarse_rollouts_rank_seeds_like_the_fine_ones():
+    from spotlight.exploration import spearman
+
+    policy, prompts, seeds = tiny_policy(), ["a handwritten digit 3"] * 64, list(range(64))
+    def score(ro):
+        return ro.images.mean(dim=(1, 2, 3)).tolist()
+    fine = score(sample_sde(policy, prompts, seeds, steps=6, noise_level=0.7, shift=3.0))
+    coupled = score(sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7, shift=3.0, brownian_steps=6))
+    fresh = score(sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7, shift=3.0))
+    assert spearman(fine, coupled) > spearman(fine, fresh) + 0.1
+    with pytest.raises(ValueError, match=r"brownian_steps \(6\) must be a multiple of steps \(4\)"):
+        sample_sde(policy, prompts[:1], seeds[:1], steps=4, noise_level=0.7, shift=3.0, brownian_steps=6)
 
 
 def test_sde_step_log_prob_is_the_exact_gaussian_density():
