@@ -42,30 +42,37 @@ def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path: Path, cache_url)
     ref_overrides = [*SMALL, f"run.cache_url={cache_url}", f"run.url=file://{reference}"]
     assert run_cli(spotlight_cmd("run", overrides=ref_overrides), tmp_path).returncode == 0
 
-    # A fresh cache too, so the kill can land in pretraining as well as in any RL stage.
-    killed = tmp_path / "killed"
-    overrides = [*SMALL, f"run.cache_url=file://{tmp_path}/cache2", f"run.url=file://{killed}"]
+    # A fresh cache too, so the kill can land in pretraining as well as in any RL stage. Kill points
+    # follow progress, not the clock (a fast machine would finish before a fixed delay): first
+    # mid-pretraining, then after random numbers of the run's commits, each plus a random fraction
+    # of a second, so the kill lands anywhere inside the next stage, mid-write included.
+    killed, cache2 = tmp_path / "killed", tmp_path / "cache2"
+    overrides = [*SMALL, f"run.cache_url=file://{cache2}", f"run.url=file://{killed}"]
     rng = random.Random(1234)
+    total = _commits(reference)
+    after = [(cache2, 2), *[(killed, n) for n in sorted(rng.sample(range(2, total - 1), 4))]]
     kills = 0
-    for attempt in range(6):
+    for root, commits in after:
         proc = subprocess.Popen(spotlight_cmd("run", overrides=overrides), cwd=tmp_path, env=cli_env(tmp_path),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        delay = rng.uniform(3.0, 25.0)
-        try:
-            proc.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole machine dies: flow, Prefect's server, everything
-            proc.wait()
-            kills += 1
-            continue
-        assert proc.returncode == 0
-        break
-    else:
-        result = run_cli(spotlight_cmd("run", overrides=overrides), tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
-    assert kills >= 1, "the test must actually kill a run"
+        while proc.poll() is None and _commits(root) < commits:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.5))
+        if proc.poll() is not None:
+            assert proc.returncode == 0
+            break
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole machine dies: flow, Prefect's server, everything
+        proc.wait()
+        kills += 1
+    result = run_cli(spotlight_cmd("run", overrides=overrides), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert kills >= 3, f"the test must actually kill runs (killed {kills} times)"
     assert _policy_bytes(killed) == _policy_bytes(reference)
     assert _base_bytes(tmp_path / "cache2") == _base_bytes(Path(cache_url.removeprefix("file://")))
+
+
+def _commits(root: Path) -> int:
+    return sum(1 for _ in root.rglob("COMMIT.json")) if root.exists() else 0
 
 
 def _base_bytes(cache: Path) -> bytes:
