@@ -37,6 +37,19 @@ def digits_cnn() -> tuple[nn.Module, tuple[int, ...]]:
     return DigitClassifier().eval(), (1, 16, 16)
 
 
+def gemm_peak_gflops(threads: int) -> float:
+    """This CPU's best fp32 matmul rate at `threads` threads: median of 5 4096x4096 products."""
+    with torch.inference_mode():
+        a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+        a @ b
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+    return 2 * 4096**3 / sorted(times)[2] / 1e9
+
+
 def main(
     model: str = typer.Option("vit-b16", help="vit-b16 | digits-cnn"),
     batch_sizes: str = typer.Option("1,8,32,128", help="comma-separated; each should be a bucket"),
@@ -102,6 +115,18 @@ def main(
                           f"{c['parity']:.1e}", f"{c['first_s']:.2f}")
         table.add_section()
     console.print(table)
+
+    if model == "vit-b16" and device == "cpu" and rl_batch_size in sizes:
+        # Roofline: how far from this CPU's fp32 matmul peak eager already is.
+        eager_gflops = VIT_B16.forward_flops * rl_batch_size / rows["eager"][rl_batch_size]["median_ms"] / 1e6
+        best = min(rows, key=lambda r: rows[r][rl_batch_size]["median_ms"])
+        best_x = rows["eager"][rl_batch_size]["median_ms"] / rows[best][rl_batch_size]["median_ms"]
+        peak = gemm_peak_gflops(torch.get_num_threads())
+        console.print(
+            f"roofline @ batch {rl_batch_size}: {VIT_B16.forward_flops / 1e9:.1f} GFLOP/image in matmuls; eager "
+            f"runs {eager_gflops:.0f} GFLOP/s = {eager_gflops / peak:.0%} of this CPU's fp32 matmul peak "
+            f"({peak:.0f} GFLOP/s, 4096^3 sgemm); 1.7x eager would need {1.7 * eager_gflops / peak:.0%} of it; "
+            f"best here: {best} {best_x:.2f}x")
 
     build_table = Table(title=f"Build time (export/compile + parity check at batch {rl_batch_size}), seconds")
     build_table.add_column("runtime")

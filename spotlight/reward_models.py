@@ -31,6 +31,14 @@ class ViTConfig:
     def item_shape(self) -> tuple[int, int, int]:
         return (self.channels, self.image_size, self.image_size)
 
+    @property
+    def forward_flops(self) -> int:
+        """FLOPs of one image's forward in its matmuls (patch embedding, qkv/out projections, MLP,
+        attention scores and values): the work no runtime can skip, for roofline comparisons."""
+        n, d = (self.image_size // self.patch_size) ** 2 + 1, self.dim
+        per_block = 2 * n * (4 * d * d + 2 * d * self.mlp_dim) + 4 * n * n * d
+        return self.depth * per_block + 2 * (n - 1) * d * self.channels * self.patch_size**2
+
 
 VIT_B16 = ViTConfig()
 VIT_TINY = ViTConfig(image_size=32, patch_size=8, dim=64, depth=2, heads=4, mlp_dim=128, num_classes=10)

@@ -157,3 +157,10 @@ def test_auto_cache_works_on_s3(model: torch.nn.Module, monkeypatch: pytest.Monk
         assert fs.exists(f"{root}/model.onnx")
     finally:
         server.stop()
+
+
+def test_vit_b16_matmul_flops_match_the_published_count():
+    """The roofline's numerator: ViT-B/16 at 224 is 17.6 GMACs per image (Dosovitskiy et al.; timm)."""
+    from spotlight.reward_models import VIT_B16
+
+    assert abs(VIT_B16.forward_flops / 2 / 1e9 - 17.56) < 0.05
