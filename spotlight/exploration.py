@@ -82,14 +82,13 @@ def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterat
         yield unit, {"seeds": seeds, "rewards": rewards, "seconds": time.perf_counter() - started}
 
 
-def explore_queue(run, t: int, items: list[dict[str, Any]], inline: bool) -> dict[str, Any]:
+def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], inline: bool) -> dict[str, Any]:
     """Publish the items and wait until they are explored by the workers, this process joining them
     when ``inline`` (a trainer that would otherwise sit idle waiting: the first spotlight iteration,
     every sync iteration, or no workers at all).
 
     A waiting stage that sees no progress for ``stall_seconds`` (every worker gone) works inline.
     """
-    queue = queue_for(run, t)
     queue.publish(items)
     started = time.perf_counter()
     inline_stats: dict[str, Any] | None = None

@@ -249,8 +249,9 @@ def explore(run: Run, t: int, inline: bool | None = None) -> Commit:
     seeds = exploration.candidate_seeds(cfg, t, decision["counts"])
     items = exploration.make_items(prompts, seeds, ec.seeds_per_batch)
     inline = ec.workers == 0 if inline is None else inline
-    waited = exploration.explore_queue(run, t, items, inline=inline)
-    seeds, rewards, rollout_seconds = exploration.gather(exploration.queue_for(run, t), items)
+    queue = exploration.queue_for(run, t)  # one object: its caches of items and results serve gather too
+    waited = exploration.explore_queue(run, t, queue, items, inline=inline)
+    seeds, rewards, rollout_seconds = exploration.gather(queue, items)
     explorers = ec.workers + (1 if inline and ec.workers else 0) or 1
     stats = {**waited, "rollout_seconds": rollout_seconds, "candidates": sum(map(len, seeds)),
              "policy_iteration": exploration.policy_iteration(cfg, t), "explorers": explorers,

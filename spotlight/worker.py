@@ -148,6 +148,11 @@ def _heartbeat(queue: WorkQueue, claim: Claim, lost: threading.Event, beat_stop:
             log.warning("lease renewal of %s failed: %s", claim.item_id, e)
 
 
+def ready_record_key(worker_id: str) -> str:
+    """Where a worker records that it is ready (imports done, run opened): host, pid, time."""
+    return f"workers/{worker_id}.json"
+
+
 def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float | None = None,
                 poll_seconds: float = 0.5, idle_exit_seconds: float = 0.0) -> dict[str, Any]:
     """Work on a run's exploration queues until none has claimable work for idle_exit_seconds.
@@ -162,7 +167,7 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     # a store key: SKYPILOT_TASK_ID or a hostname may hold characters the queue does not allow
     worker_id = re.sub(r"[^A-Za-z0-9_=+-]", "-", worker_id or f"{socket.gethostname()}-{os.getpid()}")
     # ready: imports done and the run opened (the flow waits for its local workers to get here)
-    run.store.put_json(f"workers/{worker_id}.json", {"worker": worker_id, "host": socket.gethostname(),
+    run.store.put_json(ready_record_key(worker_id), {"worker": worker_id, "host": socket.gethostname(),
                                                      "pid": os.getpid(), "ready_at": time.time()})
     stop = threading.Event()
     install_sigterm_handler(stop)

@@ -45,39 +45,42 @@ def _term_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def wait_until_ready(cfg: Config, procs: list[subprocess.Popen], timeout: float = 120.0) -> None:
+def wait_until_ready(run_url: str, workers: dict[str, subprocess.Popen], timeout: float = 120.0) -> None:
     """Wait (bounded) until every local worker has opened the run, so the first exploration finds
     them working instead of booting. A worker that dies or is late only costs speed: the trainer
     explores too while it waits, and a stalled queue is explored in-process."""
     from spotlight.store import RunStore
+    from spotlight.worker import ready_record_key
 
-    store, deadline = RunStore(cfg.run_url), time.monotonic() + timeout
-    for i, proc in enumerate(procs):
-        key = f"workers/local-{i}.json"
+    store, deadline = RunStore(run_url), time.monotonic() + timeout
+    for worker_id, proc in workers.items():
+        key = ready_record_key(worker_id)
         while proc.poll() is None and time.monotonic() < deadline:
             if store.exists(key) and store.get_json(key)["pid"] == proc.pid:  # not a previous flow's record
                 break
             time.sleep(0.05)
         else:
-            warnings.warn(f"exploration worker local-{i} is not ready (exit code {proc.poll()}); going on without it")
+            warnings.warn(f"exploration worker {worker_id} is not ready (exit code {proc.poll()}); going on without it")
 
 
 @contextmanager
 def local_workers(cfg: Config) -> Iterator[list[subprocess.Popen]]:
     """Start ``exploration.workers`` worker processes for the run; SIGTERM them (they commit and release) on exit."""
     exe = str(Path(sys.executable).with_name("spotlight"))
-    procs = []
+    workers: dict[str, subprocess.Popen] = {}
     for i in range(cfg.exploration.workers if cfg.exploration.mode != "none" else 0):
-        cmd = [exe, "worker", "--run", cfg.run_url, "--id", f"local-{i}", "--idle-exit", "86400", "--poll-seconds", "0.05",
+        worker_id = f"local-{i}"
+        cmd = [exe, "worker", "--run", cfg.run_url, "--id", worker_id, "--idle-exit", "86400", "--poll-seconds", "0.05",
                "--lease-seconds", str(cfg.exploration.lease_seconds)]
         env = dict(os.environ, OMP_NUM_THREADS=str(cfg.run.threads))
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_term_with_parent)
         if cfg.exploration.worker_cpus:
             os.sched_setaffinity(proc.pid, set(cfg.exploration.worker_cpus))
-        procs.append(proc)
+        workers[worker_id] = proc
+    procs = list(workers.values())
     try:
-        wait_until_ready(cfg, procs)
+        wait_until_ready(cfg.run_url, workers)
         yield procs
     finally:
         for proc in procs:
