@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -39,9 +39,27 @@ class RunSection(Section):
         return name
 
 
-class ModelSection(Section):
-    """A tiny SD3-style MMDiT (diffusers SD3Transformer2DModel) on 1x16x16 pixels."""
+class LoraSection(Section):
+    """A LoRA adapter on the transformer (peft): the run store then holds only the adapter per iteration."""
 
+    rank: int = Field(32, ge=1)
+    alpha: float = Field(64.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = Field(("to_q", "to_k", "to_v", "to_out.0"), min_length=1,
+                                            description="module-name suffixes, as peft matches them")
+
+
+class _ModelCommon(Section):
+    lora: LoraSection | None = Field(None, description="train a LoRA adapter; null: full fine-tuning")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights' dtype: auto is bfloat16 on CUDA (autocast; log-probs and loss in fp32), else float32")
+    gradient_checkpointing: bool = False
+
+
+class TinyModelSection(_ModelCommon):
+    """A tiny SD3-style MMDiT (diffusers SD3Transformer2DModel) on 1x16x16 pixels: the embedded default."""
+
+    kind: Literal["tiny-mmdit"] = "tiny-mmdit"
     sample_size: int = 16
     in_channels: int = 1
     patch_size: int = 4
@@ -51,6 +69,26 @@ class ModelSection(Section):
     prompt_tokens: int = 4
     joint_attention_dim: int = 64
     pooled_projection_dim: int = 64
+
+
+class PipelineModelSection(_ModelCommon):
+    """A diffusers pipeline loaded with ``from_pretrained(pretrained)``: SD3/SD3.5, FLUX.1 or Qwen-Image."""
+
+    kind: Literal["sd3", "flux", "qwen-image"]
+    pretrained: str = Field(description="a diffusers pipeline folder: a local path or a mounted bucket")
+    resolution: int = Field(512, ge=16, description="image height and width")
+    max_sequence_length: int = Field(256, ge=1, description="text tokens (T5 / Qwen2.5-VL)")
+
+    @field_validator("pretrained")
+    @classmethod
+    def _local(cls, path: str) -> str:
+        if "://" in path:
+            raise ValueError(f"{path!r} is a URL; give a local path (or a bucket mounted on this machine): "
+                             "weights are never downloaded at run time")
+        return path
+
+
+ModelSection = Annotated[TinyModelSection | PipelineModelSection, Field(discriminator="kind")]
 
 
 class PretrainSection(Section):
@@ -69,14 +107,62 @@ class SamplerSection(Section):
     train_steps: int = Field(10, ge=1, description="SDE steps of a training rollout")
     eval_steps: int = Field(16, ge=1, description="ODE steps of an evaluation sample")
     noise_level: float = Field(0.7, gt=0, description="Flow-GRPO's a: sigma_t = a*sqrt(t/(1-t))")
-    shift: float = Field(3.0, gt=0, description="SD3 timestep shift")
-    guidance: float = Field(1.0, ge=1.0, description="classifier-free guidance scale (1 = off)")
+    shift: float | None = Field(None, gt=0, description="static timestep shift; null: the model's own (the "
+                                "pipeline's scheduler config, 3.0 for tiny-mmdit)")
+    guidance: float = Field(1.0, ge=1.0, description="guidance scale (1 = off): classifier-free guidance, or "
+                            "the guidance embedding of guidance-distilled models (FLUX.1-dev)")
+    negative_prompt: str = Field("", description="the unconditional prompt of classifier-free guidance")
+
+
+class PickScoreSection(Section):
+    model: str = Field(description="PickScore_v1 (a transformers CLIPModel folder)")
+    processor: str | None = Field(None, description="its CLIP processor folder; default: the model folder")
+
+
+class ClipScoreSection(Section):
+    model: str = Field(description="a transformers CLIPModel folder (e.g. clip-vit-large-patch14)")
+
+
+class AestheticSection(Section):
+    clip_model: str = Field(description="the CLIP the head was trained on (ViT-L/14), a transformers folder")
+    head: str = Field(description="LAION aesthetic predictor head weights (.pth or .safetensors)")
+
+
+class RemoteRewardSection(Section):
+    """A reward served over HTTP: POST images (and prompts), get one score per image."""
+
+    url: str
+    timeout_seconds: float = Field(60.0, gt=0)
+    retries: int = Field(3, ge=0)
+    batch_size: int = Field(32, ge=1, description="images per request")
+    token_env: str | None = Field(None, description="environment variable holding a bearer token (never logged)")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is not an http(s) URL")
+        return url
 
 
 class RewardsSection(Section):
-    train: str = "digit_classifier"
-    eval: str = "heldout_classifier"
+    """Rewards by name, as weighted sums (flow_grpo's ``reward_fn: {pickscore: 1.0, ...}``)."""
+
+    train: dict[str, float] = Field({"digit_classifier": 1.0}, min_length=1,
+                                    description="the reward RL maximises: name -> weight")
+    eval: dict[str, float] = Field({"heldout_classifier": 1.0}, min_length=1,
+                                   description="the held-out reward of evaluations: name -> weight")
     runtime: str = Field("eager", description="reward-model runtime, or auto (fastest measured that passes parity)")
+    pickscore: PickScoreSection | None = None
+    clip_score: ClipScoreSection | None = None
+    aesthetic: AestheticSection | None = None
+    remote: dict[str, RemoteRewardSection] = Field({}, description="HTTP rewards, each usable by its name")
+
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _bare_name(cls, value: Any) -> Any:
+        """A bare reward name means that reward with weight 1."""
+        return {value: 1.0} if isinstance(value, str) else value
 
     @field_validator("runtime")
     @classmethod
@@ -87,14 +173,27 @@ class RewardsSection(Section):
             raise ValueError(f"unknown reward runtime {name!r}; runtimes: auto, {', '.join(RUNTIMES)}")
         return name
 
-    @field_validator("train", "eval")
-    @classmethod
-    def _known(cls, name: str) -> str:
+    @model_validator(mode="after")
+    def _known(self) -> "RewardsSection":
         from spotlight.rewards import REWARDS
 
-        if name not in REWARDS:
-            raise ValueError(f"unknown reward {name!r}; known rewards: {', '.join(sorted(REWARDS))}")
-        return name
+        clash = sorted(set(self.remote) & set(REWARDS))
+        if clash:
+            raise ValueError(f"remote reward name(s) {clash} shadow built-in rewards; rename them")
+        known = sorted({*REWARDS, *self.remote})
+        for which in ("train", "eval"):
+            for name in getattr(self, which):
+                if name not in known:
+                    raise ValueError(f"{which}: unknown reward {name!r}; known rewards: {', '.join(known)}")
+                options = REWARDS[name].options if name in REWARDS else None
+                if options and getattr(self, options) is None:
+                    raise ValueError(f"{which}: reward {name!r} needs its weights: set rewards.{options} "
+                                     "(local paths)")
+        return self
+
+    def names(self) -> list[str]:
+        """Every reward a run scores with (train and eval), in a fixed order."""
+        return sorted({*self.train, *self.eval})
 
 
 class GRPOSection(Section):
@@ -139,23 +238,59 @@ class ExplorationSection(Section):
     ranking_prompts: int = Field(2, ge=1)
 
 
+class DataSection(Section):
+    """Where prompts come from (flow_grpo's layout: a folder with train.txt/test.txt or
+    train_metadata.jsonl/test_metadata.jsonl; or one .txt/.jsonl file; or the bundled digit classes)."""
+
+    prompts: str = Field("digits", description="digits | a .txt or .jsonl prompt file | a folder of train/test files")
+    eval_prompts: str | None = Field(None, description="held-out prompts; default: the folder's test file "
+                                     "(digits: the ten digit prompts)")
+
+
 class EvaluationSection(Section):
     every: int = Field(5, ge=1, description="evaluate every N iterations (and at 0 and the end)")
-    seeds_per_class: int = Field(16, ge=1)
+    seeds_per_prompt: int = Field(16, ge=1, description="fixed evaluation seeds per held-out prompt")
+    prompts: int | None = Field(None, ge=1, description="evaluate on the first N held-out prompts (null: all)")
+
+
+class CheckpointSection(Section):
+    """Which policies the run store keeps: the newest ``keep_last`` (with their optimizer state for the
+    newest) and every ``keep_every``-th; older ones are pruned once a newer commit is complete."""
+
+    keep_last: int | None = Field(None, ge=2, description="null: keep every policy; >= 2 since exploration "
+                                  "reads theta_{t-1} while update(t) writes theta_{t+1}")
+    keep_every: int | None = Field(None, ge=1, description="also keep theta_N for N a multiple of this")
 
 
 class Config(Section):
     run: RunSection = RunSection()
-    model: ModelSection = ModelSection()
+    model: ModelSection = TinyModelSection()
+    data: DataSection = DataSection()
     pretrain: PretrainSection = PretrainSection()
     sampler: SamplerSection = SamplerSection()
     rewards: RewardsSection = RewardsSection()
     grpo: GRPOSection = GRPOSection()
     exploration: ExplorationSection = ExplorationSection()
     evaluation: EvaluationSection = EvaluationSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kind(cls, data: Any) -> Any:
+        """``model.kind`` may be left out: the tiny digits model."""
+        if isinstance(data, dict) and isinstance(data.get("model"), dict) and "kind" not in data["model"]:
+            data = {**data, "model": {**data["model"], "kind": "tiny-mmdit"}}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
+        digits = self.data.prompts == "digits"
+        if self.model.kind == "tiny-mmdit" and not digits:
+            raise ValueError(f"model.kind tiny-mmdit knows only the digit prompts; data.prompts is "
+                             f"{self.data.prompts!r} (use a pipeline model.kind for text prompts)")
+        digit_rewards = sorted({"digit_classifier", "heldout_classifier"} & set(self.rewards.names()))
+        if digit_rewards and not digits:
+            raise ValueError(f"rewards {digit_rewards} score digit classes: they need data.prompts: digits")
         if self.exploration.mode != "none" and self.exploration.candidates_per_prompt < self.grpo.group_size:
             raise ValueError(
                 f"exploration.candidates_per_prompt ({self.exploration.candidates_per_prompt}) must be >= "

@@ -1,9 +1,14 @@
 """Rewards, chosen by name in the config: ``reward(images, prompts) -> [B] float32``.
 
-- ``digit_classifier``: probability of the prompted digit under the reward CNN (the training reward).
+One registry entry per reward (:data:`REWARDS`: name -> factory, and the config section holding its
+weights); the config combines them as weighted sums (``rewards.train: {pickscore: 1.0, ...}``).
+Images are ``[B, C, H, W]`` in [-1, 1], as policies decode them.
+
+- ``digit_classifier``: probability of the prompted digit under the reward CNN (the digits' training reward).
 - ``heldout_classifier``: the same under an independently trained CNN (another architecture, the
   other half of the data), used only for evaluation, to catch reward hacking.
 - ``jpeg_compressibility``: minus the JPEG size in kB, as in DDPO.
+- HTTP rewards named in ``rewards.remote``.
 
 Model rewards score through :mod:`spotlight.reward_runtime`, so the runtime (eager, compiled,
 ONNX Runtime...) is a config choice measured per device.
@@ -12,20 +17,46 @@ ONNX Runtime...) is a config choice measured per device.
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
+from spotlight.config import Config
 from spotlight.data import prompt_class
 from spotlight.models.classifier import DigitClassifier
+from spotlight.store import RunStore
 
 
 class Reward(Protocol):
     name: str
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor: ...
+
+
+@dataclass
+class RewardContext:
+    """What a reward factory may use: the run's config and device, and the cache of pretrained parts."""
+
+    cfg: Config
+    device: torch.device
+    cache: RunStore
+    classifiers_key: str  # the cache commit holding the digit classifiers
+
+    @property
+    def batch_size(self) -> int:
+        """The batch a reward sees in an update: the runtime is measured and compiled for it."""
+        return self.cfg.grpo.prompts_per_iteration * self.cfg.grpo.group_size
+
+    def scorer(self, model: torch.nn.Module, item_shape: tuple[int, ...], model_name: str):
+        """``model`` on the configured runtime (measured and cached when ``auto``)."""
+        from spotlight.reward_runtime import make_scorer
+
+        return make_scorer(model, item_shape, runtime=self.cfg.rewards.runtime, batch_size=self.batch_size,
+                           device=str(self.device), cache_url=f"{self.cache.url}/reward-runtime",
+                           model_name=model_name)
 
 
 class ClassifierReward:
@@ -56,9 +87,49 @@ class JpegCompressibility:
         return torch.tensor(sizes, dtype=torch.float32)
 
 
-# name -> which pretrained classifier it needs (None: no model)
-REWARDS: dict[str, str | None] = {
-    "digit_classifier": "reward_classifier",
-    "heldout_classifier": "eval_classifier",
-    "jpeg_compressibility": None,
+class WeightedReward:
+    """A weighted sum of rewards; ``components`` keeps each term for the metrics."""
+
+    def __init__(self, name: str, terms: dict[str, tuple[float, Reward]]):
+        self.name, self.terms = name, terms
+
+    def components(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        return {name: reward(images, prompts).float().cpu() for name, (_, reward) in self.terms.items()}
+
+    def combine(self, components: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum(weight * components[name] for name, (weight, _) in self.terms.items())
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        return self.combine(self.components(images, prompts))
+
+
+def _digit_classifier(which: str) -> Callable[[RewardContext, str], Reward]:
+    def build(ctx: RewardContext, name: str) -> Reward:
+        commit = ctx.cache.load(ctx.classifiers_key)
+        model = DigitClassifier(width=commit.meta[which]["width"])
+        model.load_state_dict(commit.tensors(f"{which}.safetensors"))
+        model.eval().requires_grad_(False)
+        return ClassifierReward(name, model, ctx.scorer(model, (1, 16, 16), which))
+    return build
+
+
+@dataclass(frozen=True)
+class RewardEntry:
+    factory: Callable[[RewardContext, str], Reward]
+    options: str | None = None  # the ``rewards.<section>`` with its weights' paths (required when used)
+
+
+REWARDS: dict[str, RewardEntry] = {
+    "digit_classifier": RewardEntry(_digit_classifier("reward_classifier")),
+    "heldout_classifier": RewardEntry(_digit_classifier("eval_classifier")),
+    "jpeg_compressibility": RewardEntry(lambda ctx, name: JpegCompressibility()),
 }
+
+
+def build_reward(ctx: RewardContext, name: str) -> Reward:
+    """One named reward (a registry entry, or an HTTP reward of ``rewards.remote``)."""
+    if name in ctx.cfg.rewards.remote:
+        from spotlight.remote_reward import RemoteReward
+
+        return RemoteReward(name, ctx.cfg.rewards.remote[name])
+    return REWARDS[name].factory(ctx, name)

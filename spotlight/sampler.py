@@ -20,19 +20,12 @@ from spotlight.seeding import draw, rollout_generators
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
-def sigma_schedule(steps: int, shift: float) -> torch.Tensor:
-    """``steps + 1`` noise levels from 1 to 0, with SD3's timestep shift."""
-    s = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-    return (shift * s / (1 + (shift - 1) * s)).float()
-
-
-def guided_velocity(policy: Policy, x: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds,
-                    uncond: PromptEmbeds | None, guidance: float) -> torch.Tensor:
-    if uncond is None or guidance == 1.0:
-        return policy.velocity(x, sigma, cond)
-    v = policy.velocity(torch.cat([x, x]), sigma, PromptEmbeds.cat([cond, uncond]))
-    v_cond, v_uncond = v.chunk(2)
-    return v_uncond + guidance * (v_cond - v_uncond)
+def encode_conditioning(policy: Policy, prompts: Sequence[str], guidance: float,
+                        negative_prompt: str = "") -> tuple[PromptEmbeds, PromptEmbeds | None]:
+    """The prompts' embeddings, and the negative prompt's when guidance needs an unconditional pass."""
+    cond = policy.encode_prompts(list(prompts))
+    uncond = policy.encode_prompts([negative_prompt] * len(prompts)) if policy.needs_uncond(guidance) else None
+    return cond, uncond
 
 
 @dataclass
@@ -81,7 +74,8 @@ def brownian_noise(gens: list[torch.Generator], shape: tuple[int, ...], device: 
 
 @torch.no_grad()
 def sample_sde(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], steps: int,
-               noise_level: float, shift: float, guidance: float = 1.0, brownian_steps: int | None = None) -> Rollout:
+               noise_level: float, guidance: float = 1.0, brownian_steps: int | None = None,
+               negative_prompt: str = "") -> Rollout:
     """SDE rollouts; seed i's generator draws rollout i's initial latent and every step noise.
 
     ``brownian_steps`` (a multiple of ``steps``; default ``steps``) is the grid the seed's noise is
@@ -95,15 +89,14 @@ def sample_sde(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], ste
         raise ValueError(f"brownian_steps ({fine_steps}) must be a multiple of steps ({steps})")
     span = fine_steps // steps
     gens = rollout_generators(list(seeds))
-    fine_sigmas = sigma_schedule(fine_steps, shift).to(policy.device)
-    sigmas = fine_sigmas[::span]  # with SD3's shift, the coarse schedule is every span-th fine level
-    cond = policy.encode_prompts(list(prompts))
-    uncond = policy.encode_prompts([""] * len(prompts)) if guidance != 1.0 else None
+    fine_sigmas = policy.sigmas(fine_steps).to(policy.device)
+    sigmas = fine_sigmas[::span]  # the coarse schedule is every span-th level of the fine one
+    cond, uncond = encode_conditioning(policy, prompts, guidance, negative_prompt)
     x = draw(gens, policy.latent_shape, policy.device)
     latents, log_probs = [x], []
     for k in range(steps):
         step_idx = torch.full((len(seeds),), k, device=policy.device)
-        v = guided_velocity(policy, x, sigmas[step_idx], cond, uncond, guidance)
+        v = policy.guided_velocity(x, sigmas[step_idx], cond, uncond, guidance)
         step = sde_step(v, x, step_idx, sigmas, noise_level)
         x = step.mean + step.std * brownian_noise(gens, policy.latent_shape, policy.device,
                                                   fine_sigmas[k * span:(k + 1) * span + 1])
@@ -117,21 +110,21 @@ def step_log_prob(policy: Policy, latents: torch.Tensor, next_latents: torch.Ten
                   cond: PromptEmbeds, uncond: PromptEmbeds | None, sigmas: torch.Tensor, noise_level: float,
                   guidance: float = 1.0) -> tuple[torch.Tensor, SDEStep]:
     """Re-evaluate, with gradients, the log-prob of stored transitions (rows may mix timesteps)."""
-    v = guided_velocity(policy, latents, sigmas[step_idx], cond, uncond, guidance)
+    v = policy.guided_velocity(latents, sigmas[step_idx], cond, uncond, guidance)
     step = sde_step(v, latents, step_idx, sigmas, noise_level)
     return step.log_prob(next_latents), step
 
 
 @torch.no_grad()
-def sample_ode(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], steps: int, shift: float,
-               guidance: float = 1.0) -> torch.Tensor:
-    """Deterministic Euler sampling of the probability-flow ODE (evaluation); returns decoded images."""
+def sample_ode(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], steps: int,
+               guidance: float = 1.0, negative_prompt: str = "", decode: bool = True) -> torch.Tensor:
+    """Deterministic Euler sampling of the probability-flow ODE (evaluation, and what diffusers'
+    pipelines do with the same schedule): decoded images, or the final latents (``decode=False``)."""
     gens = rollout_generators(list(seeds))
-    sigmas = sigma_schedule(steps, shift).to(policy.device)
-    cond = policy.encode_prompts(list(prompts))
-    uncond = policy.encode_prompts([""] * len(prompts)) if guidance != 1.0 else None
+    sigmas = policy.sigmas(steps).to(policy.device)
+    cond, uncond = encode_conditioning(policy, prompts, guidance, negative_prompt)
     x = draw(gens, policy.latent_shape, policy.device)
     for k in range(steps):
-        v = guided_velocity(policy, x, sigmas[k], cond, uncond, guidance)
+        v = policy.guided_velocity(x, sigmas[k].expand(len(x)), cond, uncond, guidance)
         x = x + (sigmas[k + 1] - sigmas[k]) * v
-    return policy.decode(x)
+    return policy.decode(x) if decode else x

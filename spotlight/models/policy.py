@@ -1,117 +1,234 @@
-"""The policy seam, and a tiny SD3-style MMDiT that implements it.
+"""The policy seam: everything the RL code needs from a diffusion policy, and nothing more.
 
-The RL code only needs two things from a diffusion policy: turn prompts into conditioning, and
-predict the rectified-flow velocity ``v = noise - x0`` at noise level sigma. A real SD3.5 / FLUX /
-Qwen-Image pipeline implements the same :class:`Policy` protocol by wrapping its text encoders
-(``encode_prompts``), its transformer (``velocity``, with ``timestep = sigma * 1000``) and its VAE
-(``decode``); latents then live in VAE space instead of pixels. Everything else (sampler, GRPO,
-exploration, store) is unchanged.
+The sampler, GRPO, exploration, evaluation and the run store only see :class:`Policy`: encode
+prompts (and the null prompt for CFG), predict the rectified-flow velocity ``v = noise - x0`` at
+noise level sigma, decode latents into images, the scheduler's sigma schedule, the trainable
+parameters and their state, a reference context for the KL term, and the module to wrap for data
+parallel. Implementations: the tiny digits MMDiT (:mod:`spotlight.models.tiny`, the embedded
+default) and diffusers pipelines loaded with ``from_pretrained`` (:mod:`spotlight.models.sd3`,
+``flux``, ``qwen_image``); ``model.kind`` picks one from :data:`POLICIES`.
+
+:class:`DiffusionPolicy` holds what every implementation shares: LoRA (peft, as flow_grpo and
+diffusers' training scripts do) or full fine-tuning, the trainable state, the reference context
+(LoRA: the same module with its adapters disabled, no second copy), precision (bf16 weights and
+autocast on CUDA; velocities, SDE log-probs and the loss stay fp32) and classifier-free guidance.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import ContextManager, Iterator, Protocol, Sequence
 
 import torch
-from diffusers import SD3Transformer2DModel
 from torch import nn
 
-from spotlight.config import ModelSection
-from spotlight.data import DIGIT_PROMPTS, NULL_PROMPT
+from spotlight.config import LoraSection, ModelSection
 
 
 @dataclass
 class PromptEmbeds:
-    tokens: torch.Tensor  # [B, L, joint_attention_dim]
-    pooled: torch.Tensor  # [B, pooled_projection_dim]
+    """Text conditioning of a batch of prompts: named tensors, each batch-first (SD3: tokens and a pooled
+    vector; FLUX: T5 tokens and a pooled CLIP vector; Qwen-Image: tokens and their mask)."""
+
+    tensors: dict[str, torch.Tensor]
 
     def __getitem__(self, idx) -> "PromptEmbeds":
-        return PromptEmbeds(self.tokens[idx], self.pooled[idx])
+        return PromptEmbeds({k: v[idx] for k, v in self.tensors.items()})
+
+    def __len__(self) -> int:
+        return len(next(iter(self.tensors.values())))
+
+    def to(self, device: torch.device | str) -> "PromptEmbeds":
+        return PromptEmbeds({k: v.to(device) for k, v in self.tensors.items()})
 
     @staticmethod
     def cat(parts: Sequence["PromptEmbeds"]) -> "PromptEmbeds":
-        return PromptEmbeds(torch.cat([p.tokens for p in parts]), torch.cat([p.pooled for p in parts]))
+        return PromptEmbeds({k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors})
 
 
 class Policy(Protocol):
+    """What the RL code calls. Latents have ``latent_shape`` per sample (unpacked, ``[C, h, w]``)."""
+
     latent_shape: tuple[int, ...]
     device: torch.device  # where latents live; rollout noise is drawn on the CPU and moved here
+    transformer: nn.Module  # the trained module: what data parallel wraps
 
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds: ...
 
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, prompt: PromptEmbeds) -> torch.Tensor: ...
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, prompt: PromptEmbeds,
+                 guidance: float = 1.0) -> torch.Tensor: ...
+
+    def guided_velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds,
+                        uncond: PromptEmbeds | None, guidance: float) -> torch.Tensor: ...
+
+    def needs_uncond(self, guidance: float) -> bool: ...
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
 
+    def sigmas(self, steps: int) -> torch.Tensor: ...
 
-class FrozenPromptEncoder(nn.Module):
-    """Stands in for a frozen text encoder: a fixed random embedding per known prompt (10 digits + null)."""
+    def trainable_parameters(self) -> list[nn.Parameter]: ...
 
-    def __init__(self, cfg: ModelSection, seed: int = 1234):
+    def trainable_state(self) -> dict[str, torch.Tensor]: ...
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def reference(self) -> ContextManager["Policy"]: ...
+
+
+class DiffusionPolicy(nn.Module):
+    """Shared machinery of the policies; subclasses set ``transformer`` and ``latent_shape`` and
+    implement ``encode_prompts``, ``velocity`` (fp32 out), ``decode`` and ``sigmas``."""
+
+    transformer: nn.Module
+    latent_shape: tuple[int, ...]
+    #: the transformer takes the guidance scale as an input (FLUX.1-dev's distilled guidance):
+    #: one pass per step instead of a conditional and an unconditional one
+    embedded_guidance: bool = False
+
+    def __init__(self) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.vocab = (*DIGIT_PROMPTS, NULL_PROMPT)
-        n = len(self.vocab)
-        self.register_buffer("tokens", torch.randn(n, cfg.prompt_tokens, cfg.joint_attention_dim, generator=g))
-        self.register_buffer("pooled", torch.randn(n, cfg.pooled_projection_dim, generator=g))
+        self.lora: LoraSection | None = None
+        self._reference: nn.Module | None = None
+        self.compute_dtype = torch.float32
 
-    def forward(self, prompts: Sequence[str]) -> PromptEmbeds:
-        unknown = [p for p in prompts if p not in self.vocab]
-        if unknown:
-            raise ValueError(f"prompt(s) the tiny encoder does not know: {unknown[:3]}")
-        idx = torch.tensor([self.vocab.index(p) for p in prompts], device=self.tokens.device)
-        return PromptEmbeds(self.tokens[idx], self.pooled[idx])
-
-
-class TinyMMDiT(nn.Module):
-    """~2M-parameter MMDiT built from a config (diffusers SD3Transformer2DModel), pixel space."""
-
-    def __init__(self, cfg: ModelSection):
-        super().__init__()
-        self.latent_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
-        self.prompt_encoder = FrozenPromptEncoder(cfg)
-        self.transformer = SD3Transformer2DModel(
-            sample_size=cfg.sample_size,
-            patch_size=cfg.patch_size,
-            in_channels=cfg.in_channels,
-            out_channels=cfg.in_channels,
-            num_layers=cfg.num_layers,
-            attention_head_dim=cfg.attention_head_dim,
-            num_attention_heads=cfg.num_attention_heads,
-            joint_attention_dim=cfg.joint_attention_dim,
-            caption_projection_dim=cfg.attention_head_dim * cfg.num_attention_heads,
-            pooled_projection_dim=cfg.pooled_projection_dim,
-            pos_embed_max_size=cfg.sample_size // cfg.patch_size,
-        )
-
+    # -- device and precision --------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.prompt_encoder.tokens.device
+        return next(self.transformer.parameters()).device
 
-    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
-        return self.prompt_encoder(prompts)
+    def autocast(self) -> ContextManager:
+        """bf16 autocast where the weights are bf16 (CUDA); a no-op in fp32."""
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, prompt: PromptEmbeds) -> torch.Tensor:
-        timestep = sigma.expand(latents.shape[0]) * 1000.0
-        return self.transformer(
-            hidden_states=latents,
-            encoder_hidden_states=prompt.tokens,
-            pooled_projections=prompt.pooled,
-            timestep=timestep,
-            return_dict=False,
-        )[0]
+    # -- guidance ----------------------------------------------------------------------------------
+    def needs_uncond(self, guidance: float) -> bool:
+        """Whether guidance needs the null prompt's pass (true CFG) rather than none or an embedding."""
+        return guidance != 1.0 and not self.embedded_guidance
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents.clamp(-1, 1)
+    def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance: float) -> torch.Tensor:
+        """Classifier-free guidance (SD3's form); Qwen-Image overrides it with its norm-preserving form."""
+        return v_uncond + guidance * (v_cond - v_uncond)
+
+    def guided_velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: PromptEmbeds,
+                        uncond: PromptEmbeds | None, guidance: float) -> torch.Tensor:
+        """The velocity a guided sampler steps with; the conditional and unconditional passes share
+        one batch (sigma is per row, or one value for all)."""
+        if not self.needs_uncond(guidance):
+            return self.velocity(latents, sigma, cond, guidance)
+        if uncond is None:
+            raise ValueError(f"guidance {guidance} needs the null prompt's embeddings (uncond)")
+        sigma = sigma.expand(len(latents)) if sigma.ndim == 0 else sigma
+        v = self.velocity(torch.cat([latents, latents]), torch.cat([sigma, sigma]), PromptEmbeds.cat([cond, uncond]))
+        v_cond, v_uncond = v.chunk(2)
+        return self.combine_guidance(v_cond, v_uncond, guidance)
+
+    # -- training ----------------------------------------------------------------------------------
+    @property
+    def core(self) -> nn.Module:
+        """The transformer itself, also when data parallel has wrapped ``transformer``."""
+        return getattr(self.transformer, "module", self.transformer)
+
+    def add_lora(self, lora: LoraSection, seed: int) -> None:
+        """Attach a LoRA adapter (peft) to the transformer; its initial weights follow ``seed``, and its
+        B matrices start at zero, so theta_0 samples exactly as the base does."""
+        from peft import LoraConfig
+
+        missing = missing_lora_targets(self.core, lora.target_modules)
+        if missing:
+            raise ValueError(f"model.lora.target_modules: {missing} match no module of the "
+                             f"{type(self.core).__name__}")
+        self.core.requires_grad_(False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.core.add_adapter(LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                             init_lora_weights="gaussian", target_modules=list(lora.target_modules)))
+        for p in self.trainable_parameters():  # the adapter trains in fp32 whatever the base's dtype
+            p.data = p.data.float()
+        self.lora = lora
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.core.parameters() if p.requires_grad]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The weights RL changes (the frozen prompt encoder is rebuilt from its seed)."""
-        return {k: v for k, v in self.transformer.state_dict().items()}
+        """What RL changes: the adapter's tensors with LoRA (never the base), else the transformer's."""
+        if self.lora is not None:
+            from peft.utils import get_peft_model_state_dict
+
+            return get_peft_model_state_dict(self.core)
+        return dict(self.core.state_dict())
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.transformer.load_state_dict(state, strict=True)
+        if self.lora is not None:
+            from peft.utils import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.core, state)
+            unexpected = getattr(result, "unexpected_keys", [])
+            if unexpected:
+                raise ValueError(f"adapter state has keys this model's adapter lacks: {unexpected[:3]}")
+        else:
+            self.core.load_state_dict({k: v.to(self.core.state_dict()[k].dtype) for k, v in state.items()},
+                                      strict=True)
+
+    def keep_reference(self) -> None:
+        """Full fine-tuning: freeze a copy of the current weights as the KL reference (LoRA needs none)."""
+        if self.lora is None:
+            self._reference = copy.deepcopy(self.core).requires_grad_(False).eval()
+
+    @contextmanager
+    def reference(self) -> Iterator["DiffusionPolicy"]:
+        """The KL reference policy: with LoRA the same module with its adapters disabled; with full
+        fine-tuning the copy made by :meth:`keep_reference`, swapped in for the duration."""
+        if self.lora is not None:
+            self.core.disable_adapters()
+            try:
+                yield self
+            finally:
+                self.core.enable_adapters()
+            return
+        if self._reference is None:
+            raise RuntimeError("full fine-tuning needs keep_reference() before the KL term can be computed")
+        trained, self.transformer = self.transformer, self._reference
+        try:
+            yield self
+        finally:
+            self.transformer = trained
 
 
-def build_policy(cfg: ModelSection) -> TinyMMDiT:
-    return TinyMMDiT(cfg)
+def missing_lora_targets(module: nn.Module, targets: Sequence[str]) -> list[str]:
+    """Target names (peft's suffix match on module names) that no module of ``module`` has."""
+    names = [name for name, _ in module.named_modules()]
+    return [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+
+
+#: model.kind -> "module:class"; each class has ``build(cfg: Config, device) -> DiffusionPolicy``
+POLICIES: dict[str, str] = {
+    "tiny-mmdit": "spotlight.models.tiny:TinyMMDiT",
+    "sd3": "spotlight.models.sd3:SD3Policy",
+    "flux": "spotlight.models.flux:FluxPolicy",
+    "qwen-image": "spotlight.models.qwen_image:QwenImagePolicy",
+}
+
+
+def policy_class(kind: str) -> type[DiffusionPolicy]:
+    module, _, name = POLICIES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_policy(cfg, device: torch.device | str = "cpu") -> DiffusionPolicy:
+    """The configured policy at theta_0's base weights on ``device`` (LoRA attached if configured).
+
+    ``cfg`` is the whole run config: the tiny model's schedule follows ``sampler.shift``."""
+    model: ModelSection = cfg.model
+    policy = policy_class(model.kind).build(cfg, torch.device(device))
+    if model.lora is not None:
+        policy.add_lora(model.lora, seed=cfg.run.seed)
+    if model.gradient_checkpointing and hasattr(policy.core, "enable_gradient_checkpointing"):
+        policy.core.enable_gradient_checkpointing()
+    return policy
+
