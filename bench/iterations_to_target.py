@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def open_run(run_url: str, cache_url: str, seed: int, iterations: int, sets: list[str]):
-    from spotlight import stages
     from spotlight.config import load_config
+    from spotlight.run import open_run as open_library_run
 
-    return stages.open_run(load_config(REPO / "configs/tiny.yaml", [
+    return open_library_run(load_config(REPO / "configs/tiny.yaml", [
         f"run.url={run_url}", f"run.cache_url={cache_url}", f"run.seed={seed}", f"grpo.iterations={iterations}",
         "exploration.workers=0", "evaluation.every=1", "exploration.ranking_every=0", *sets]))
 

@@ -10,7 +10,7 @@ import typer
 from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
 from spotlight.config import load_config
 from spotlight.report import Summary
-from spotlight.stages import compute_device
+from spotlight.run import compute_device
 
 
 @app.command()

@@ -15,7 +15,8 @@ from rich.table import Table
 from spotlight.config import ConfigError, load_config
 from spotlight.console import ProgressBars, console
 from spotlight.report import Summary, write_report
-from spotlight.stages import STAGES, open_run, pretrain
+from spotlight.run import open_run
+from spotlight.stages import STAGES, pretrain
 from spotlight.store import StoreError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -59,7 +60,8 @@ def stage(name: str = typer.Argument(..., help=f"pretrain, {', '.join(STAGES)}")
     run = open_run(load_config(config, overrides, run_url), bars)
     commit = pretrain(run) if name == "pretrain" else STAGES[name](run, iteration)
     bars.close()
-    console.print(f"committed {run.store.url}/{commit.name}", soft_wrap=True, highlight=False)
+    where = f"{commit.store.url}/{commit.name}" if commit is not None else "nothing to pretrain (a pipeline)"
+    console.print(f"committed {where}", soft_wrap=True, highlight=False)
 
 
 @app.command()

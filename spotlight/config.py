@@ -191,6 +191,13 @@ class RewardsSection(Section):
                                      "(local paths)")
         return self
 
+    def describe(self, which: str) -> str:
+        """``pickscore`` or ``1.0*pickscore + 0.5*aesthetic``: a reward as people read it."""
+        weights = getattr(self, which)
+        if len(weights) == 1 and next(iter(weights.values())) == 1.0:
+            return next(iter(weights))
+        return " + ".join(f"{w:g}*{name}" for name, w in weights.items())
+
     def names(self) -> list[str]:
         """Every reward a run scores with (train and eval), in a fixed order."""
         return sorted({*self.train, *self.eval})
@@ -321,8 +328,12 @@ class Config(Section):
     def fingerprint(self, *sections: str) -> str:
         """A short hash of the named sections (all if none): the cache key of what they determine."""
         data = self.model_dump(mode="json")
-        picked = {s: data[s] for s in sections} if sections else data
-        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+        return fingerprint({s: data[s] for s in sections} if sections else data)
+
+
+def fingerprint(data: Any) -> str:
+    """A short, stable hash of JSON-able data."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -68,13 +68,14 @@ def rollout_rewards(run, policy, prompt: str, seeds: list[int], steps: int | Non
     cfg = run.cfg
     prompts = [prompt] * len(seeds)
     rollout = sample_sde(policy, prompts, seeds, steps or cfg.exploration_steps, cfg.sampler.noise_level,
-                         cfg.sampler.shift, cfg.sampler.guidance, brownian_steps=cfg.sampler.train_steps)
-    return run.reward(cfg.rewards.train)(rollout.images, prompts).tolist()
+                         cfg.sampler.guidance, brownian_steps=cfg.sampler.train_steps,
+                         negative_prompt=cfg.sampler.negative_prompt)
+    return run.weighted_reward("train")(rollout.images, prompts).tolist()
 
 
 def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Roll out each unit's seed batch with the exploring policy; yield its rewards as soon as it is done."""
-    policy = run.cached_policy(policy_iteration(run.cfg, t))
+    policy = run.policy_at(policy_iteration(run.cfg, t))
     for unit in units:
         seeds = item["batches"][unit]
         started = time.perf_counter()

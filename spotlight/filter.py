@@ -11,6 +11,7 @@ replaced by the extra prompt groups that were explored (the update always trains
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,3 +43,26 @@ def select(seeds: list[int], rewards: list[float], g: int) -> Selection:
     idx, std = max_variance_subset(r, g)
     return Selection([seeds[i] for i in idx.tolist()], [rewards[i] for i in idx.tolist()], std,
                      r[:g].std().item())
+
+
+def keep_most_informative(prompts: list[str], seeds: list[list[int]], rewards: list[list[float]], g: int,
+                          keep: int, min_std: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per prompt the max-variance group of G seeds, then the ``keep`` prompt groups with the most
+    variance (low-variance prompts are replaced by the extra ones explored): the filtered table
+    ``{"prompts", "seeds"}`` and its statistics (a row per explored prompt: what the planner learns from)."""
+    rows, selections = [], []
+    for prompt, row_seeds, row_rewards in zip(prompts, seeds, rewards):
+        sel = select(row_seeds, row_rewards, g)
+        selections.append(sel)
+        rows.append({"prompt": prompt, "candidates": len(row_seeds), "std": sel.std, "random_std": sel.random_std,
+                     "gain": sel.std - sel.random_std, "kept": False})
+    best = sorted(sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[:keep])
+    for i in best:
+        rows[i]["kept"] = True
+    kept = {"prompts": [prompts[i] for i in best], "seeds": [selections[i].seeds for i in best]}
+    kept_rows = [r for r in rows if r["kept"]]
+    stats = {"prompts": rows, "selected_std": sum(r["std"] for r in kept_rows) / len(kept_rows),
+             "random_std": sum(r["random_std"] for r in rows) / len(rows),
+             "replaced_fraction": 1 - len(kept_rows) / len(rows),
+             "low_variance_kept": sum(r["std"] < min_std for r in kept_rows)}
+    return kept, stats

@@ -53,13 +53,16 @@ class UpdateBatch:
 
 def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                batch: UpdateBatch, *, minibatch_size: int, clip_range: float, noise_level: float,
-               guidance: float, max_grad_norm: float, kl_beta: float = 0.0, reference: Policy | None = None,
+               guidance: float, max_grad_norm: float, kl_beta: float = 0.0,
                generator: torch.Generator, rank: int = 0, world: int = 1) -> list[dict[str, float]]:
     """One pass over all (sample, timestep) rows in a seeded shuffled order; one optimizer step per minibatch.
 
     Data parallel (``world`` > 1, the policy wrapped in DDP): every rank holds the same rollouts and
     draws the same order, takes rows ``rank::world`` of each minibatch and scales its loss so the
     gradient DDP averages is exactly the gradient of the whole minibatch's mean loss.
+
+    ``kl_beta`` > 0 adds the KL to the reference policy (``policy.reference()``: with LoRA the same
+    weights with the adapter disabled), as flow_grpo does: the squared distance of the step means.
     """
     ro = batch.rollout
     n, steps = ro.log_probs.shape
@@ -74,8 +77,8 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
         uncond = batch.uncond[i] if batch.uncond is not None else None
         log_prob, step = step_log_prob(policy, x, x_next, k, batch.cond[i], uncond, batch.sigmas, noise_level, guidance)
         loss, st = clipped_policy_loss(log_prob, ro.log_probs[i, k], batch.advantages[i], clip_range)
-        if kl_beta > 0 and reference is not None:
-            with torch.no_grad():
+        if kl_beta > 0:
+            with torch.no_grad(), policy.reference() as reference:
                 _, ref_step = step_log_prob(reference, x, x_next, k, batch.cond[i], uncond, batch.sigmas,
                                             noise_level, guidance)
             kl = ((step.mean - ref_step.mean) ** 2).mean(dim=tuple(range(1, x.ndim))) / (2 * step.std.flatten() ** 2)

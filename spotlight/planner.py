@@ -77,3 +77,28 @@ def plan(state: PlannerState, prompts: list[str], *, group_size: int, batch: int
         counts[i] += batch
         extra_batches -= 1
     return counts, samples
+
+
+def exploration_budget(cfg, t: int, prompts: int) -> int:
+    """Candidates the exploration pool can roll out while update(t-1) runs, in forward passes
+    (``exploration.budget_scale`` x the update's cost); the first iteration, with nothing learned
+    and nothing to overlap, explores ``candidates_per_prompt`` per prompt at least."""
+    ec, gc = cfg.exploration, cfg.grpo
+    update_forwards = update_cost_forwards(gc.prompts_per_iteration * gc.group_size, cfg.sampler.train_steps,
+                                           gc.kl_beta > 0)
+    budget = int(ec.budget_scale * update_forwards / cfg.exploration_steps)
+    return max(budget, ec.candidates_per_prompt * prompts) if t == 0 else budget
+
+
+def plan_exploration(cfg, t: int, prompts: list[str], state: PlannerState) -> dict:
+    """How many candidates each prompt gets this iteration (Thompson sampling within the budget), with
+    what the decision was based on: the committed plan of an exploration."""
+    from spotlight.seeding import generator
+
+    ec = cfg.exploration
+    budget = exploration_budget(cfg, t, len(prompts))
+    counts, sampled = plan(state, prompts, group_size=cfg.grpo.group_size, batch=ec.seeds_per_batch,
+                           budget_candidates=budget, max_per_prompt=ec.max_candidates_per_prompt,
+                           generator=generator(cfg.run.seed, "planner", t))
+    return {"counts": counts, "sampled_gain": sampled, "budget_candidates": budget,
+            "used_candidates": sum(counts), "posteriors": state.to_json()}

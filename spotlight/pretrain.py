@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from spotlight.config import Config
 from spotlight.data import DIGIT_PROMPTS, NULL_PROMPT, digits, split
 from spotlight.models.classifier import DigitClassifier
-from spotlight.models.policy import TinyMMDiT, build_policy
+from spotlight.models.tiny import DEFAULT_SHIFT, TinyMMDiT
 from spotlight.seeding import generator
 
 Progress = Callable[[int, int, dict], None]
@@ -48,7 +48,7 @@ class BaseTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         torch.manual_seed(cfg.run.seed)
-        self.policy = build_policy(cfg.model)
+        self.policy = TinyMMDiT(cfg.model, cfg.sampler.shift or DEFAULT_SHIFT)
         self.ema = copy.deepcopy(self.policy).requires_grad_(False)
         self.opt = torch.optim.AdamW(self.policy.transformer.parameters(), lr=cfg.pretrain.lr, weight_decay=0.0)
         self.step = 0

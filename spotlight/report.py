@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from spotlight.cost import ledger  # noqa: E402
-from spotlight.stages import Run  # noqa: E402
+from spotlight.run import Run  # noqa: E402
 from spotlight.store import RunStore, png_bytes  # noqa: E402
 
 
@@ -53,14 +53,17 @@ def committed_metrics(store: RunStore, prefix: str, stage: str | None = None) ->
 
 
 def _grid_image(grid: np.ndarray) -> Image.Image:
-    """[rows, cols, 1, H, W] in [-1, 1] -> one grayscale image with 1-pixel gutters."""
-    rows, cols, _, h, w = grid.shape
-    canvas = np.full((rows * (h + 1) + 1, cols * (w + 1) + 1), 255, dtype=np.uint8)
+    """[rows, cols, C, H, W] uint8 (C = 1 or 3) -> one image with 1-pixel white gutters; small tiles
+    (the 16 px digits) are enlarged so they can be seen."""
+    rows, cols, channels, h, w = grid.shape
+    canvas = np.full((rows * (h + 1) + 1, cols * (w + 1) + 1, channels), 255, dtype=np.uint8)
     for r in range(rows):
         for c in range(cols):
-            tile = ((grid[r, c, 0] + 1) * 127.5).clip(0, 255).astype(np.uint8)
-            canvas[1 + r * (h + 1): 1 + r * (h + 1) + h, 1 + c * (w + 1): 1 + c * (w + 1) + w] = tile
-    return Image.fromarray(canvas).resize((canvas.shape[1] * 4, canvas.shape[0] * 4), Image.NEAREST)
+            canvas[1 + r * (h + 1): 1 + r * (h + 1) + h, 1 + c * (w + 1): 1 + c * (w + 1) + w] = \
+                grid[r, c].transpose(1, 2, 0)
+    image = Image.fromarray(canvas[..., 0] if channels == 1 else canvas)
+    scale = max(1, 64 // h)
+    return image.resize((image.width * scale, image.height * scale), Image.NEAREST)
 
 
 def write_report(run: Run) -> Summary:
@@ -71,10 +74,10 @@ def write_report(run: Run) -> Summary:
     fig, ax = plt.subplots(figsize=(7, 4))
     if updates:
         ax.plot([m["iteration"] for m in updates], [m["train_reward_mean"] for m in updates],
-                label=f"train reward ({run.cfg.rewards.train}, SDE rollouts)", alpha=0.8)
+                label=f"train reward ({run.cfg.rewards.describe('train')}, SDE rollouts)", alpha=0.8)
     if evals:
         ax.plot([m["iteration"] for m in evals], [m["eval_reward"] for m in evals], "o-",
-                label=f"held-out reward ({run.cfg.rewards.eval}, ODE, fixed seeds)")
+                label=f"held-out reward ({run.cfg.rewards.describe('eval')}, ODE, fixed seeds)")
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.set_title(f"{run.cfg.run.name}: exploration mode {run.cfg.exploration.mode}")
@@ -85,7 +88,7 @@ def write_report(run: Run) -> Summary:
     if evals:
         first = store.load(f"evaluations/{evals[0]['iteration']:04d}").tensors("samples.safetensors")["grid"]
         last = store.load(f"evaluations/{evals[-1]['iteration']:04d}").tensors("samples.safetensors")["grid"]
-        gutter = np.ones((first.shape[0], 1, *first.shape[2:]), dtype=np.float32)
+        gutter = np.full((first.shape[0], 1, *first.shape[2:]), 255, dtype=np.uint8)
         both = np.concatenate([first.numpy(), gutter, last.numpy()], axis=1)
         store.write_bytes("report/samples_before_after.png", png_bytes(_grid_image(both)))
     rankings = committed_metrics(store, "iterations", "ranking")

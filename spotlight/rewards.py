@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
-from spotlight.config import Config
 from spotlight.data import prompt_class
 from spotlight.models.classifier import DigitClassifier
-from spotlight.store import RunStore
+
+if TYPE_CHECKING:  # the config validates reward names against this registry: no import cycle
+    from spotlight.config import Config
+    from spotlight.store import RunStore
 
 
 class Reward(Protocol):

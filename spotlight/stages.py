@@ -1,198 +1,65 @@
 """The stages of a run as pure, idempotent functions: each computes its step once and commits it.
 
-Calling a stage whose step is committed returns the commit without computing anything, so a
-restarted flow (after kill -9, preemption or a Prefect retry) resumes from the last commit; all
-randomness is derived from (run seed, stage, iteration), so the resumed run is bit-identical.
+Calling a stage whose step is committed returns the commit without computing anything (one
+prologue for all: :func:`committed_stage`), so a restarted flow (after kill -9, preemption or a
+Prefect retry) resumes from the last commit; all randomness is derived from (run seed, stage,
+iteration), so the resumed run is bit-identical.
 
-Iteration t uses policy theta_t (theta_0 = the pretrained base):
+Iteration t uses policy theta_t (theta_0 = the base):
     explore(t) -> filter(t) -> update(t) commits theta_{t+1};  evaluate(t) scores theta_t.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
 
-from spotlight.config import Config, ConfigError, config_from_dict
-from spotlight.data import DIGIT_PROMPTS, NUM_CLASSES
+from spotlight import checkpoints, exploration
+from spotlight.filter import keep_most_informative
 from spotlight.grpo import UpdateBatch, group_advantages, grpo_epoch
-from spotlight.models.classifier import DigitClassifier
-from spotlight.models.policy import TinyMMDiT, build_policy
+from spotlight.planner import PlannerState, plan_exploration
 from spotlight.pretrain import (BaseTrainer, classifier_accuracy, load_optimizer_tensors, optimizer_tensors,
                                 train_classifier)
-from spotlight.rewards import REWARDS, ClassifierReward, JpegCompressibility, Reward
-from spotlight import exploration
-from spotlight.filter import select
-from spotlight.planner import PlannerState, plan, update_cost_forwards
-from spotlight.sampler import sample_ode, sample_sde, sigma_schedule
+from spotlight.prompts import evaluation_prompts, iteration_prompts
+from spotlight.run import Run, distributed
+from spotlight.sampler import encode_conditioning, sample_ode, sample_sde
 from spotlight.seeding import derive_seed, generator
-from spotlight.store import Commit, RunStore, json_bytes, tensors_to_bytes
+from spotlight.store import Commit, json_bytes, tensors_to_bytes
 
-Progress = Callable[[str, int, int], None]
-CODE_VERSION = "1"  # bump when a cached stage's computation changes meaning
-
-
-def _no_progress(desc: str, done: int, total: int) -> None:
-    pass
+Stage = Callable[..., Commit]
 
 
-@dataclass
-class Run:
-    """A run: its config, its store, and the cache of pretrained parts shared by runs."""
-
-    cfg: Config
-    store: RunStore
-    cache: RunStore
-    progress: Progress = _no_progress
-    device: torch.device = torch.device("cpu")  # where this process computes (see `compute_device`)
-    _rewards: dict[str, Reward] = field(default_factory=dict)
-    _policies: dict[int, TinyMMDiT] = field(default_factory=dict)
-
-    # -- keys ------------------------------------------------------------------------------
-    @staticmethod
-    def key(stage: str, t: int) -> str:
-        return f"iterations/{t:04d}/{stage}"
-
-    @property
-    def base_key(self) -> str:
-        return f"base-{self.cfg.fingerprint('model', 'pretrain')}-s{self.cfg.run.seed}-v{CODE_VERSION}"
-
-    @property
-    def classifiers_key(self) -> str:
-        return f"classifiers-{self.cfg.fingerprint('pretrain')}-s{self.cfg.run.seed}-v{CODE_VERSION}"
-
-    def eval_iterations(self) -> list[int]:
-        n, every = self.cfg.grpo.iterations, self.cfg.evaluation.every
-        return sorted({0, n, *range(every, n, every)})
-
-    # -- models ----------------------------------------------------------------------------
-    def policy_at(self, t: int) -> TinyMMDiT:
-        """theta_t: the base for t = 0, else the policy committed by update(t - 1)."""
-        policy = build_policy(self.cfg.model).to(self.device)
-        if t == 0:
-            state = self.cache.load(f"{self.base_key}/final").tensors("ema.safetensors")
-        else:
-            state = self.store.load(self.key("update", t - 1)).tensors("policy.safetensors")
-        policy.load_trainable_state(state)
-        return policy.eval()
-
-    def cached_policy(self, t: int) -> TinyMMDiT:
-        """theta_t for inference, kept in memory (exploration workers reuse it across items)."""
-        if t not in self._policies:
-            self._policies = {k: v for k, v in self._policies.items() if k >= t - 1}
-            self._policies[t] = self.policy_at(t).requires_grad_(False)
-        return self._policies[t]
-
-    def reward(self, name: str) -> Reward:
-        if name not in self._rewards:
-            model_name = REWARDS[name]
-            if model_name is None:
-                self._rewards[name] = JpegCompressibility()
-            else:
-                self._rewards[name] = self._classifier_reward(name, model_name)
-        return self._rewards[name]
-
-    def _classifier_reward(self, name: str, model_name: str) -> ClassifierReward:
-        from spotlight.reward_runtime import make_scorer
-
-        commit = self.cache.load(self.classifiers_key)
-        model = DigitClassifier(width=commit.meta[model_name]["width"])
-        model.load_state_dict(commit.tensors(f"{model_name}.safetensors"))
-        model.eval().requires_grad_(False)
-        scorer = make_scorer(model, (1, 16, 16), runtime=self.cfg.rewards.runtime,
-                             batch_size=self.cfg.grpo.prompts_per_iteration * self.cfg.grpo.group_size,
-                             device=str(self.device),
-                             cache_url=f"{self.cache.url}/reward-runtime", model_name=model_name)
-        return ClassifierReward(name, model, scorer)
+def committed_stage(key: Callable[[Run, int], str]) -> Callable[[Stage], Stage]:
+    """A stage's prologue: if its step is committed, return the commit; else compute and commit it."""
+    def wrap(compute: Stage) -> Stage:
+        @functools.wraps(compute)
+        def stage(run: Run, t: int, *args: Any, **kwargs: Any) -> Commit:
+            name = key(run, t)
+            if run.store.is_committed(name):
+                return run.store.load(name)
+            return compute(run, t, name, *args, **kwargs)
+        return stage
+    return wrap
 
 
-def distributed() -> bool:
-    """Launched as one of several processes (accelerate launch / torchrun set WORLD_SIZE)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def compute_device(name: str) -> torch.device:
-    """``run.device`` on this machine: auto is cuda when torch sees a GPU. Under a multi-GPU launch each
-    process takes the GPU of its LOCAL_RANK. Asking for a GPU that is not there is an error, early."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"run.device is {name!r} but torch {torch.__version__} sees no CUDA device "
-                              f"(built for CUDA {torch.version.cuda}); use run.device=auto or cpu")
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if distributed() else 0)
-        if device.index >= torch.cuda.device_count():
-            raise ConfigError(f"run.device is {name!r} (index {device.index}) but this machine has "
-                              f"{torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def open_run(cfg: Config, progress: Progress = _no_progress) -> Run:
-    """Open (or start) the run at cfg's URL. A run keeps the config it started with: another is an error.
-
-    The store URL itself is not part of the comparison: a run may be opened from wherever its store is,
-    and ``run.device: auto`` resolves per machine (same numbers for the same device type).
-    """
-    device = compute_device(cfg.run.device)
-    torch.set_num_threads(cfg.run.threads)
-    if device.type == "cuda":
-        # cuBLAS is deterministic only with a fixed workspace (must be set before its first call);
-        # ops without a deterministic CUDA kernel warn (naming the op) instead of stopping a run.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.cuda.set_device(device)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    else:
-        torch.use_deterministic_algorithms(True)
-    cfg = cfg.resolved()
-    store, cache = RunStore(cfg.run_url), RunStore(cfg.cache_url)
-    if store.is_committed("config"):
-        started = config_from_dict(store.load("config").json("config.json"), f"{store.url}/config")
-        started = started.model_copy(update={"run": started.run.model_copy(update={"url": cfg.run_url})})
-        if started != cfg:
-            raise ConfigError(f"run {store.url} was started with another config; differences:\n"
-                              + _config_diff(started.model_dump(), cfg.model_dump())
-                              + "\nuse another run.name/run.url, or the original config")
-    else:
-        store.commit("config", {"config.json": json_bytes(cfg.model_dump(mode="json"))})
-    return Run(cfg, store, cache, progress, device)
-
-
-def open_run_from_url(url: str, progress: Progress = _no_progress) -> Run:
-    """Open an existing run from its store URL alone (workers, stage jobs): its committed config says the rest."""
-    store = RunStore(url)
-    if not store.is_committed("config"):
-        raise ConfigError(f"no run at {url}: it has no committed config (start it with `spotlight run`)")
-    cfg = config_from_dict(store.load("config").json("config.json"), f"{url}/config")
-    return open_run(cfg.model_copy(update={"run": cfg.run.model_copy(update={"url": url})}), progress)
-
-
-def _config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
-    lines = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            sub = _config_diff(va, vb, f"{prefix}{k}.")
-            lines += [sub] if sub else []
-        elif va != vb:
-            lines.append(f"  {prefix}{k}: {va!r} (started) vs {vb!r} (now)")
-    return "\n".join(lines)
+def iteration_key(stage: str) -> Callable[[Run, int], str]:
+    return lambda run, t: run.key(stage, t)
 
 
 # -- pretrain ----------------------------------------------------------------------------------
 CLASSIFIERS = {"reward_classifier": ("a", 16, 1), "eval_classifier": ("b", 12, 2)}  # data half, width, seed
+DIGIT_REWARDS = ("digit_classifier", "heldout_classifier")
 
 
-def pretrain(run: Run) -> Commit:
-    """The cached base policy (EMA weights) and both reward classifiers; resumable in chunks."""
+def pretrain(run: Run) -> Commit | None:
+    """What the run needs trained before RL, cached: the digit reward classifiers (when a digit reward
+    is used) and the tiny base policy (EMA weights), resumable in chunks. Pipelines arrive pretrained."""
     cfg, cache = run.cfg, run.cache
-    if not cache.is_committed(run.classifiers_key):
+    if set(DIGIT_REWARDS) & set(cfg.rewards.names()) and not cache.is_committed(run.classifiers_key):
         objects, meta = {}, {}
         for name, (part, width, seed) in CLASSIFIERS.items():
             model = train_classifier(part, width, cfg.pretrain.classifier_steps, derive_seed(cfg.run.seed, name, seed),
@@ -201,6 +68,8 @@ def pretrain(run: Run) -> Commit:
             held_out = "b" if part == "a" else "a"
             meta[name] = {"width": width, "trained_on": part, "accuracy_on_other_half": classifier_accuracy(model, held_out)}
         cache.commit(run.classifiers_key, objects, meta)
+    if not run.pretrains_base:
+        return None
     final = f"{run.base_key}/final"
     if cache.is_committed(final):
         return cache.load(final)
@@ -219,16 +88,8 @@ def pretrain(run: Run) -> Commit:
 
 
 # -- explore / filter -------------------------------------------------------------------------
-def prompts_for(cfg: Config, t: int) -> list[str]:
-    """Iteration t's prompt groups: a seeded draw of digit classes (without replacement while they last).
-    Exploring modes draw ``extra_prompts`` more, of which the filter keeps the most informative."""
-    g = generator(cfg.run.seed, "prompts", t)
-    n = cfg.grpo.prompts_per_iteration + (cfg.exploration.extra_prompts if cfg.exploration.mode != "none" else 0)
-    order = torch.cat([torch.randperm(NUM_CLASSES, generator=g) for _ in range(-(-n // NUM_CLASSES))])
-    return [DIGIT_PROMPTS[int(c)] for c in order[:n]]
-
-
-def explore(run: Run, t: int, inline: bool | None = None) -> Commit:
+@committed_stage(iteration_key("explore"))
+def explore(run: Run, t: int, key: str, inline: bool | None = None) -> Commit:
     """Candidate seeds (and, when exploring, their rewards) for iteration t's prompts.
 
     Mode ``none``: G random seeds per prompt, nothing rolled out. Otherwise the planner sizes the
@@ -236,16 +97,13 @@ def explore(run: Run, t: int, inline: bool | None = None) -> Commit:
     ``inline``: this process explores too, alongside the workers (default: only if there are none).
     Who computed a unit never changes its result, so this changes timings, not numbers.
     """
-    key = run.key("explore", t)
-    if run.store.is_committed(key):
-        return run.store.load(key)
     cfg, ec = run.cfg, run.cfg.exploration
-    prompts = prompts_for(cfg, t)
+    prompts = iteration_prompts(cfg, t)
     if ec.mode == "none":
         seeds = exploration.candidate_seeds(cfg, t, [cfg.grpo.group_size] * len(prompts))
         table = {"prompts": prompts, "seeds": seeds, "rewards": None}
         return run.store.commit(key, {"explored.json": json_bytes(table)}, {"mode": ec.mode})
-    decision = plan_exploration(run, t, prompts)
+    decision = plan_exploration(cfg, t, prompts, planner_state(run, t))
     seeds = exploration.candidate_seeds(cfg, t, decision["counts"])
     items = exploration.make_items(prompts, seeds, ec.seeds_per_batch)
     inline = ec.workers == 0 if inline is None else inline
@@ -271,64 +129,30 @@ def planner_state(run: Run, t: int) -> PlannerState:
     return state
 
 
-def plan_exploration(run: Run, t: int, prompts: list[str]) -> dict[str, Any]:
-    """How many candidates each prompt gets: Thompson sampling within the update step's cost."""
-    cfg, ec, gc = run.cfg, run.cfg.exploration, run.cfg.grpo
-    steps = cfg.exploration_steps
-    update_forwards = update_cost_forwards(gc.prompts_per_iteration * gc.group_size, cfg.sampler.train_steps,
-                                           gc.kl_beta > 0)
-    budget = int(ec.budget_scale * update_forwards / steps)
-    if t == 0:  # nothing learned yet: the configured default
-        budget = max(budget, ec.candidates_per_prompt * len(prompts))
-    state = planner_state(run, t)
-    counts, sampled = plan(state, prompts, group_size=gc.group_size, batch=ec.seeds_per_batch,
-                           budget_candidates=budget, max_per_prompt=ec.max_candidates_per_prompt,
-                           generator=generator(cfg.run.seed, "planner", t))
-    return {"counts": counts, "sampled_gain": sampled, "budget_candidates": budget,
-            "used_candidates": sum(counts), "posteriors": state.to_json()}
-
-
-def filter_seeds(run: Run, t: int) -> Commit:
-    """The G seeds per prompt that go into update(t): the max-variance subset of the explored candidates."""
-    key = run.key("filter", t)
-    if run.store.is_committed(key):
-        return run.store.load(key)
+@committed_stage(iteration_key("filter"))
+def filter_seeds(run: Run, t: int, key: str) -> Commit:
+    """The G seeds per prompt that go into update(t): the max-variance subset of the explored candidates,
+    for the prompt groups with the most variance."""
     explored = explore(run, t).json("explored.json")
     cfg, g = run.cfg, run.cfg.grpo.group_size
     if explored["rewards"] is None:
         chosen = {"prompts": explored["prompts"], "seeds": [s[:g] for s in explored["seeds"]]}
         return run.store.commit(key, {"filtered.json": json_bytes(chosen), "stats.json": json_bytes({})})
-    rows, selections = [], []
-    for prompt, seeds, rewards in zip(explored["prompts"], explored["seeds"], explored["rewards"]):
-        sel = select(seeds, rewards, g)
-        selections.append(sel)
-        rows.append({"prompt": prompt, "candidates": len(seeds), "std": sel.std, "random_std": sel.random_std,
-                     "gain": sel.std - sel.random_std, "kept": False})
-    # keep the P groups with the most variance: low-variance prompts are replaced by extra ones
-    best = sorted(sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[: cfg.grpo.prompts_per_iteration])
-    for i in best:
-        rows[i]["kept"] = True
-    kept = {"prompts": [explored["prompts"][i] for i in best], "seeds": [selections[i].seeds for i in best]}
-    kept_rows = [r for r in rows if r["kept"]]
-    stats = {"prompts": rows, "selected_std": sum(r["std"] for r in kept_rows) / len(kept_rows),
-             "random_std": sum(r["random_std"] for r in rows) / len(rows),
-             "replaced_fraction": 1 - len(kept_rows) / len(rows),
-             "low_variance_kept": sum(r["std"] < cfg.exploration.min_std for r in kept_rows)}
+    kept, stats = keep_most_informative(explored["prompts"], explored["seeds"], explored["rewards"], g,
+                                        cfg.grpo.prompts_per_iteration, cfg.exploration.min_std)
     return run.store.commit(key, {"filtered.json": json_bytes(kept), "stats.json": json_bytes(stats)})
 
 
-def ranking_check(run: Run, t: int) -> Commit:
+@committed_stage(iteration_key("ranking"))
+def ranking_check(run: Run, t: int, key: str) -> Commit:
     """Do seed rankings survive one stale iteration? Re-roll iteration t's explored candidates of a few
     prompts with fresh theta_t and correlate (Spearman) with the rewards explored under theta_{t-1}:
     ``spearman`` at exploration fidelity (staleness alone), ``spearman_to_training`` against fresh
     full-step rollouts (staleness and coarsening together: what the update will see)."""
-    key = run.key("ranking", t)
-    if run.store.is_committed(key):
-        return run.store.load(key)
     explored = explore(run, t)
     table, stale_at = explored.json("explored.json"), explored.json("stats.json")["policy_iteration"]
     items = exploration.make_items(table["prompts"], table["seeds"], run.cfg.exploration.seeds_per_batch)
-    fresh = run.cached_policy(t)
+    fresh = run.policy_at(t)
     rows = []
     for item, stale in list(zip(items, table["rewards"]))[: run.cfg.exploration.ranking_prompts]:
         def rerolled(steps: int | None = None) -> list[float]:
@@ -346,29 +170,30 @@ def ranking_check(run: Run, t: int) -> Commit:
 
 
 # -- update -----------------------------------------------------------------------------------
-def update(run: Run, t: int) -> Commit:
+@committed_stage(iteration_key("update"))
+def update(run: Run, t: int, key: str) -> Commit:
     """Rollouts with theta_t on the filtered seeds, rewards, group advantages, PPO-clip steps -> theta_{t+1}."""
-    key = run.key("update", t)
-    if run.store.is_committed(key):
-        return run.store.load(key)
     cfg, sc, gc = run.cfg, run.cfg.sampler, run.cfg.grpo
     started = time.perf_counter()
     chosen = filter_seeds(run, t).json("filtered.json")
-    policy = run.policy_at(t)
-    params = list(policy.transformer.parameters())
+    torch.manual_seed(derive_seed(cfg.run.seed, "update", t))  # LoRA dropout and the like: same on every resume
+    policy = run.training_policy(t)
+    params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=gc.lr, weight_decay=0.0)
     if t > 0:
         load_optimizer_tensors(optimizer, run.store.load(run.key("update", t - 1)).tensors("optimizer.safetensors"))
     prompts = [p for p, seeds in zip(chosen["prompts"], chosen["seeds"]) for _ in seeds]
     seeds = [s for group in chosen["seeds"] for s in group]
-    rollout = sample_sde(policy, prompts, seeds, sc.train_steps, sc.noise_level, sc.shift, sc.guidance)
-    rewards = run.reward(cfg.rewards.train)(rollout.images, prompts)
+    policy.eval()
+    rollout = sample_sde(policy, prompts, seeds, sc.train_steps, sc.noise_level, sc.guidance,
+                         negative_prompt=sc.negative_prompt)
+    reward = run.weighted_reward("train")
+    components = reward.components(rollout.images, prompts)
+    rewards = reward.combine(components)
     grouped = rewards.view(len(chosen["prompts"]), -1)
     advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten().to(run.device)
-    reference = run.policy_at(0) if gc.kl_beta > 0 else None
-    batch = UpdateBatch(rollout, policy.encode_prompts(prompts),
-                        policy.encode_prompts([""] * len(prompts)) if sc.guidance != 1.0 else None,
-                        advantages, sigma_schedule(sc.train_steps, sc.shift).to(run.device))
+    cond, uncond = encode_conditioning(policy, prompts, sc.guidance, sc.negative_prompt)
+    batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(run.device))
     # Under `accelerate launch` (sky/update.yaml, several GPUs or nodes) the transformer is wrapped in
     # DDP and every rank trains on its share of each minibatch; in one process this changes nothing.
     accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
@@ -379,10 +204,11 @@ def update(run: Run, t: int) -> Commit:
     for epoch in range(gc.epochs):
         stats += grpo_epoch(policy, params, optimizer, batch, minibatch_size=gc.minibatch_size,
                             clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
-                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, reference=reference,
+                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta,
                             generator=generator(cfg.run.seed, "minibatches", t, epoch),
                             rank=accelerator.process_index if accelerator else 0,
                             world=accelerator.num_processes if accelerator else 1)
+    policy.eval()
     if accelerator is not None:
         policy.transformer = accelerator.unwrap_model(policy.transformer)
         optimizer = optimizer.optimizer  # the plain AdamW inside accelerate's wrapper
@@ -394,6 +220,7 @@ def update(run: Run, t: int) -> Commit:
         "iteration": t,
         "train_reward_mean": rewards.mean().item(),
         "train_reward_std": rewards.std().item(),
+        "train_reward_components": {name: value.mean().item() for name, value in components.items()},
         "within_group_std": group_std.mean().item(),
         "zero_variance_groups": (group_std < 1e-3).float().mean().item(),
         "prompts_trained": len(chosen["prompts"]),
@@ -405,12 +232,13 @@ def update(run: Run, t: int) -> Commit:
         "seconds": time.perf_counter() - started,
     }
     objects = {
-        "policy.safetensors": tensors_to_bytes(policy.trainable_state()),
-        "optimizer.safetensors": tensors_to_bytes(optimizer_tensors(optimizer)),
+        checkpoints.POLICY: tensors_to_bytes(policy.trainable_state()),
+        checkpoints.OPTIMIZER: tensors_to_bytes(optimizer_tensors(optimizer)),
         "rewards.safetensors": tensors_to_bytes({"rewards": rewards, "advantages": advantages}),
         "metrics.json": json_bytes(metrics),
     }
     commit = run.store.commit(key, objects, {"iteration": t})
+    checkpoints.prune(run.store, cfg.checkpoint, t, run.key)  # only now that theta_{t+1} is complete
     if accelerator is not None:
         accelerator.wait_for_everyone()
     run.progress("RL iterations", t + 1, gc.iterations)
@@ -418,33 +246,40 @@ def update(run: Run, t: int) -> Commit:
 
 
 # -- evaluate ---------------------------------------------------------------------------------
-def eval_seeds(cfg: Config) -> tuple[list[str], list[int]]:
-    """Fixed across iterations: the same prompts and seeds score every theta_t."""
-    prompts, seeds = [], []
-    for c in range(NUM_CLASSES):
-        for j in range(cfg.evaluation.seeds_per_class):
-            prompts.append(DIGIT_PROMPTS[c])
-            seeds.append(derive_seed(cfg.run.seed, "eval", c, j))
-    return prompts, seeds
+GRID_PROMPTS, GRID_SEEDS, GRID_PIXELS = 10, 8, 128  # the sample grid each evaluation commits
 
 
-def evaluate(run: Run, t: int) -> Commit:
-    """ODE samples of theta_t on the fixed evaluation seeds, scored by the held-out and training rewards."""
-    key = f"evaluations/{t:04d}"
-    if run.store.is_committed(key):
-        return run.store.load(key)
+def sample_grid(images: torch.Tensor, prompts: int) -> torch.Tensor:
+    """Up to 10 prompts x 8 seeds of the evaluation images as uint8 tiles of at most 128 px: what the
+    report shows, small enough to commit at every evaluation of a 1024 px model."""
+    per_prompt = images.view(prompts, -1, *images.shape[1:])[:GRID_PROMPTS, :GRID_SEEDS]
+    tiles = per_prompt.flatten(0, 1).float().cpu()
+    if tiles.shape[-1] > GRID_PIXELS:
+        tiles = torch.nn.functional.interpolate(tiles, size=(GRID_PIXELS, GRID_PIXELS), mode="area")
+    pixels = ((tiles.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return pixels.view(*per_prompt.shape[:2], *pixels.shape[1:])
+
+
+def evaluation_key(run: Run, t: int) -> str:
+    return f"evaluations/{t:04d}"
+
+
+@committed_stage(evaluation_key)
+def evaluate(run: Run, t: int, key: str) -> Commit:
+    """ODE samples of theta_t on the fixed evaluation prompts and seeds, scored by the held-out and training rewards."""
     sc = run.cfg.sampler
     policy = run.policy_at(t)
-    prompts, seeds = eval_seeds(run.cfg)
-    images = sample_ode(policy, prompts, seeds, sc.eval_steps, sc.shift, sc.guidance)
-    held_out = run.reward(run.cfg.rewards.eval)(images, prompts)
-    train = run.reward(run.cfg.rewards.train)(images, prompts)
-    per_class = held_out.view(NUM_CLASSES, -1).mean(dim=1)
+    prompts, seeds = evaluation_prompts(run.cfg)
+    images = sample_ode(policy, prompts, seeds, sc.eval_steps, sc.guidance, sc.negative_prompt)
+    held_out = run.weighted_reward("eval")(images, prompts)
+    train = run.weighted_reward("train")(images, prompts)
+    n_prompts = len(prompts) // run.cfg.evaluation.seeds_per_prompt
     metrics = {"iteration": t, "eval_reward": held_out.mean().item(), "train_reward_on_eval": train.mean().item(),
-               "eval_reward_per_class": per_class.tolist()}
-    grid = images.view(NUM_CLASSES, -1, *images.shape[1:])[:, :8]
+               "eval_reward_per_prompt": held_out.view(n_prompts, -1).mean(dim=1).tolist(),
+               "prompts": list(dict.fromkeys(prompts))}
     return run.store.commit(key, {"metrics.json": json_bytes(metrics),
-                                  "samples.safetensors": tensors_to_bytes({"grid": grid})}, {"iteration": t})
+                                  "samples.safetensors": tensors_to_bytes({"grid": sample_grid(images, n_prompts)})},
+                            {"iteration": t})
 
 
 STAGES: dict[str, Callable[[Run, int], Commit]] = {

@@ -31,6 +31,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 MANIFEST = "COMMIT.json"
+TOMBSTONE = "PRUNED.json"  # beside a manifest: objects removed from that commit on purpose, and why
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 8.0)  # seconds between attempts: rides out a ~20 s outage
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,7 +148,13 @@ class Commit:
             if entry is None:
                 raise StoreError(f"{self.store.url}/{self.name}: no object {obj!r} in its commit")
             key = f"{self.name}/{obj}"
-            data = self.store.read_bytes(key)
+            try:
+                data = self.store.read_bytes(key)
+            except StoreError:
+                pruned = self.store.pruned(self.name)
+                if obj in pruned.get("objects", []):
+                    raise StoreError(f"{self.store.url}/{key} was {pruned['reason']}") from None
+                raise
             if sha256(data) != entry["sha256"] or len(data) != entry["size"]:
                 raise CorruptObjectError(
                     f"corrupt object {self.store.url}/{key}: sha256 {sha256(data)[:12]}… "
@@ -281,6 +288,16 @@ class RunStore:
         except json.JSONDecodeError as e:
             raise CorruptObjectError(f"corrupt manifest {self.url}/{key}: {e}") from e
         return Commit(self, name, manifest)
+
+    def tombstone(self, name: str, objects: list[str], reason: str) -> None:
+        """Record that ``objects`` of commit ``name`` are removed on purpose (before removing them)."""
+        previous = self.pruned(name).get("objects", [])
+        self.put_json(f"{name}/{TOMBSTONE}", {"objects": sorted({*previous, *objects}), "reason": reason})
+
+    def pruned(self, name: str) -> dict[str, Any]:
+        """The tombstone of commit ``name`` ({} if nothing was pruned from it)."""
+        key = f"{name}/{TOMBSTONE}"
+        return self.get_json(key) if self.exists(key) else {}
 
     def put_json(self, key: str, value: Any) -> None:
         self.write_bytes(key, json.dumps(value, indent=1, sort_keys=True).encode())

@@ -159,7 +159,7 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
 
     lease_seconds None keeps each queue's own lease (the run's ``exploration.lease_seconds``)."""
     # Imported here: the queue and run_worker stay usable without the model stack (torch, diffusers).
-    from spotlight.stages import open_run_from_url
+    from spotlight.run import open_run_from_url
 
     run = open_run_from_url(run_url)  # a wrong URL fails here, with the run named
     from spotlight.exploration import explore_units, open_queues

@@ -15,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from spotlight import cost, stages
+from spotlight.run import Run, open_run as open_library_run
 from spotlight.config import config_from_dict
 from spotlight.console import ProgressBars
 from spotlight.report import write_report
@@ -25,18 +26,19 @@ _bars = ProgressBars()
 
 
 @lru_cache(maxsize=4)
-def _open(config_json: str) -> stages.Run:
-    """One Run per config per process, so reward models load once."""
-    return stages.open_run(config_from_dict(json.loads(config_json)), _bars)
+def _open(config_json: str) -> Run:
+    """One Run per config per process, so policies and reward models load once."""
+    return open_library_run(config_from_dict(json.loads(config_json)), _bars)
 
 
-def open_run(config: dict[str, Any]) -> stages.Run:
+def open_run(config: dict[str, Any]) -> Run:
     return _open(json.dumps(config, sort_keys=True))
 
 
 @task(name="pretrain", **STAGE_TASK)
 def pretrain(config: dict[str, Any]) -> str:
-    return stages.pretrain(open_run(config)).name
+    commit = stages.pretrain(open_run(config))
+    return commit.name if commit is not None else "pretrained pipeline"
 
 
 @task(name="explore", task_run_name="explore-it{iteration}", **STAGE_TASK)

@@ -20,7 +20,7 @@ def test_default_config_file_matches_defaults():
     ("sampler.nonsense=1", "sampler.nonsense: unknown key"),
     ("grpo.group_size=0", "group size must be >= 2"),
     ("grpo.group_size=-4", "group size must be >= 2"),
-    ("rewards.train=aesthetic", "unknown reward 'aesthetic'"),
+    ("rewards.train=nonexistent", "unknown reward 'nonexistent'"),
     ("rewards.eval=nope", "known rewards: digit_classifier, heldout_classifier, jpeg_compressibility"),
     ("exploration.mode=fast", "exploration.mode"),
     ("rewards.runtime=tensorrt", "unknown reward runtime 'tensorrt'"),
@@ -43,7 +43,7 @@ def test_unknown_key_in_file(tmp_path):
 
 @pytest.mark.parametrize("override, needle", [
     ("grpo.group_size=0", "group size must be >= 2"),
-    ("rewards.train=aesthetic", "unknown reward 'aesthetic'"),
+    ("rewards.train=nonexistent", "unknown reward 'nonexistent'"),
     ("grpo.bogus=1", "grpo.bogus: unknown key"),
     *([("run.device=cuda", "run.device is 'cuda' but torch")] if not torch.cuda.is_available() else []),
 ])
@@ -57,7 +57,7 @@ def test_cli_fails_before_any_compute(tmp_path: Path, override, needle):
 
 
 def test_run_refuses_a_different_config(tmp_path, small_overrides):
-    from spotlight.stages import open_run
+    from spotlight.run import open_run
 
     open_run(load_config(REPO / "configs/tiny.yaml", small_overrides))
     with pytest.raises(ConfigError, match=r"grpo.lr: 0.0001 \(started\) vs 0.5 \(now\)"):
@@ -65,7 +65,7 @@ def test_run_refuses_a_different_config(tmp_path, small_overrides):
 
 
 def test_auto_device_is_what_this_machine_has(tmp_path, small_overrides):
-    from spotlight.stages import open_run
+    from spotlight.run import open_run
 
     run = open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, "run.device=auto"]))
     assert run.device.type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -37,7 +37,7 @@ CHROMIUM = "/usr/bin/chromium"
 RUN_NAME = "deploy-test"
 OVERRIDES = [
     f"run.name={RUN_NAME}", "pretrain.steps=40", "pretrain.classifier_steps=40", "grpo.iterations=2",
-    "evaluation.seeds_per_class=2", "evaluation.every=1", "grpo.prompts_per_iteration=2", "grpo.group_size=4",
+    "evaluation.seeds_per_prompt=2", "evaluation.every=1", "grpo.prompts_per_iteration=2", "grpo.group_size=4",
     "sampler.train_steps=6", "sampler.eval_steps=6",
 ]
 

@@ -7,32 +7,33 @@ import math
 import pytest
 import torch
 
-from spotlight.config import ModelSection
+from spotlight.config import Config, TinyModelSection
 from spotlight.grpo import UpdateBatch, clipped_policy_loss, group_advantages, grpo_epoch
 from spotlight.models.policy import build_policy
-from spotlight.sampler import sample_sde, sde_step, sigma_schedule
+from spotlight.models.tiny import shifted_sigmas as sigma_schedule
+from spotlight.sampler import sample_sde, sde_step
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
 
 
 def tiny_policy(seed: int = 0):
     torch.manual_seed(seed)
-    return build_policy(ModelSection(num_layers=1)).eval()
+    return build_policy(Config(model=TinyModelSection(num_layers=1))).eval()
 
 
 def test_policy_is_a_small_sd3_mmdit():
     from diffusers import SD3Transformer2DModel
 
-    policy = build_policy(ModelSection())
+    policy = build_policy(Config())
     assert isinstance(policy.transformer, SD3Transformer2DModel)
     assert 1e6 < sum(p.numel() for p in policy.transformer.parameters()) < 3e6
 
 
 def test_seed_fixes_the_whole_rollout_bit_for_bit():
     policy = tiny_policy()
-    a = sample_sde(policy, PROMPTS, [5, 9], steps=4, noise_level=0.7, shift=3.0)
-    b = sample_sde(policy, PROMPTS, [5, 9], steps=4, noise_level=0.7, shift=3.0)
-    c = sample_sde(policy, PROMPTS, [5, 10], steps=4, noise_level=0.7, shift=3.0)
+    a = sample_sde(policy, PROMPTS, [5, 9], steps=4, noise_level=0.7)
+    b = sample_sde(policy, PROMPTS, [5, 9], steps=4, noise_level=0.7)
+    c = sample_sde(policy, PROMPTS, [5, 10], steps=4, noise_level=0.7)
     assert torch.equal(a.latents, b.latents) and torch.equal(a.log_probs, b.log_probs)
     assert torch.equal(a.latents[0], c.latents[0]) and not torch.equal(a.latents[1, 1:], c.latents[1, 1:])
 
@@ -43,9 +44,9 @@ def test_rollouts_compute_on_the_policy_device_with_cpu_drawn_noise():
     from spotlight.seeding import draw, rollout_generators
 
     policy = tiny_policy().to("meta")
-    ro = sample_sde(policy, PROMPTS, [5, 9], steps=3, noise_level=0.7, shift=3.0)
+    ro = sample_sde(policy, PROMPTS, [5, 9], steps=3, noise_level=0.7)
     assert {ro.latents.device.type, ro.log_probs.device.type, ro.images.device.type} == {"meta"}
-    assert sample_ode(policy, PROMPTS, [5, 9], steps=3, shift=3.0).device.type == "meta"
+    assert sample_ode(policy, PROMPTS, [5, 9], steps=3).device.type == "meta"
     # the draw is made by the CPU generators and only then moved: they advance exactly as on the CPU,
     # so a seed names the same noise stream on every device
     on_meta, on_cpu = rollout_generators([5, 9]), rollout_generators([5, 9])
@@ -77,12 +78,12 @@ def test_coupled_coarse_rollouts_rank_seeds_like_the_fine_ones():
     policy, prompts, seeds = tiny_policy(), ["a handwritten digit 3"] * 64, list(range(64))
     def score(ro):
         return ro.images.mean(dim=(1, 2, 3)).tolist()
-    fine = score(sample_sde(policy, prompts, seeds, steps=6, noise_level=0.7, shift=3.0))
-    coupled = score(sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7, shift=3.0, brownian_steps=6))
-    fresh = score(sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7, shift=3.0))
+    fine = score(sample_sde(policy, prompts, seeds, steps=6, noise_level=0.7))
+    coupled = score(sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7, brownian_steps=6))
+    fresh = score(sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7))
     assert spearman(fine, coupled) > spearman(fine, fresh) + 0.1
     with pytest.raises(ValueError, match=r"brownian_steps \(6\) must be a multiple of steps \(4\)"):
-        sample_sde(policy, prompts[:1], seeds[:1], steps=4, noise_level=0.7, shift=3.0, brownian_steps=6)
+        sample_sde(policy, prompts[:1], seeds[:1], steps=4, noise_level=0.7, brownian_steps=6)
 
 
 def test_sde_step_log_prob_is_the_exact_gaussian_density():
@@ -121,7 +122,7 @@ def test_clipped_loss_is_pessimistic():
 def test_first_on_policy_log_ratio_is_zero_and_update_moves_policy():
     policy = tiny_policy()
     prompts, seeds = PROMPTS * 4, list(range(8))
-    rollout = sample_sde(policy, prompts, seeds, steps=4, noise_level=0.7, shift=3.0)
+    rollout = sample_sde(policy, prompts, seeds, steps=4, noise_level=0.7)
     rewards = torch.arange(8, dtype=torch.float32).view(2, 4)
     adv = group_advantages(rewards).flatten()
     before = {k: v.clone() for k, v in policy.trainable_state().items()}
@@ -160,7 +161,7 @@ def test_classifier_reward_is_probability_of_the_prompted_digit():
 def test_data_parallel_ranks_split_each_minibatch():
     policy = tiny_policy()
     prompts, seeds = PROMPTS * 2, list(range(4))
-    rollout = sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7, shift=3.0)
+    rollout = sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7)
     batch = UpdateBatch(rollout, policy.encode_prompts(prompts), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
                         sigma_schedule(3, 3.0))
     params = list(policy.transformer.parameters())

@@ -348,7 +348,9 @@ def test_spotlight_worker_command_explores_a_runs_queue(small_overrides, tmp_pat
 
     from spotlight import exploration
     from spotlight.config import load_config
-    from spotlight.stages import open_run, pretrain, prompts_for
+    from spotlight.prompts import iteration_prompts as prompts_for
+    from spotlight.run import open_run
+    from spotlight.stages import pretrain
 
     cfg = load_config(REPO / "configs/tiny.yaml", [*small_overrides, "exploration.mode=spotlight"])
     run = open_run(cfg)

@@ -220,15 +220,19 @@ def policy_class(kind: str) -> type[DiffusionPolicy]:
     return getattr(importlib.import_module(module), name)
 
 
-def build_policy(cfg, device: torch.device | str = "cpu") -> DiffusionPolicy:
-    """The configured policy at theta_0's base weights on ``device`` (LoRA attached if configured).
+def build_policy(cfg, device: torch.device | str = "cpu",
+                 base_state: dict[str, torch.Tensor] | None = None) -> DiffusionPolicy:
+    """The configured policy at theta_0 on ``device``: the base weights (``base_state`` replaces the
+    transformer's: the tiny model's pretrained base), then the LoRA adapter if configured.
 
-    ``cfg`` is the whole run config: the tiny model's schedule follows ``sampler.shift``."""
+    Built on the CPU and moved afterwards, so the seeded LoRA init is the same on every machine.
+    ``cfg`` is the whole run config (the tiny model's schedule follows ``sampler.shift``)."""
     model: ModelSection = cfg.model
-    policy = policy_class(model.kind).build(cfg, torch.device(device))
+    policy = policy_class(model.kind).build(cfg, torch.device("cpu"))
+    if base_state is not None:
+        policy.core.load_state_dict(base_state, strict=True)
     if model.lora is not None:
         policy.add_lora(model.lora, seed=cfg.run.seed)
     if model.gradient_checkpointing and hasattr(policy.core, "enable_gradient_checkpointing"):
         policy.core.enable_gradient_checkpointing()
-    return policy
-
+    return policy.to(device)

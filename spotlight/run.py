@@ -1,0 +1,189 @@
+"""A run: its config, its store, the cache of pretrained parts, and this process's policies and rewards.
+
+A run keeps the config it started with (another is refused, naming the differences). Policies are
+loaded once per process and their trainable state swapped per iteration: theta_0 is the base (the
+pretrained tiny model from the cache, or the pipeline as loaded, plus a seeded LoRA init), theta_t
+the state committed by update(t-1) — with LoRA only the adapter, never the base.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from spotlight.config import Config, ConfigError, config_from_dict, fingerprint
+from spotlight.models.policy import DiffusionPolicy, build_policy
+from spotlight.rewards import Reward, RewardContext, WeightedReward, build_reward
+from spotlight.store import RunStore, json_bytes
+
+Progress = Callable[[str, int, int], None]
+CODE_VERSION = "1"  # bump when a cached stage's computation changes meaning
+
+
+def no_progress(desc: str, done: int, total: int) -> None:
+    pass
+
+
+@dataclass
+class Run:
+    """A run: its config, its store, and the cache of pretrained parts shared by runs."""
+
+    cfg: Config
+    store: RunStore
+    cache: RunStore
+    progress: Progress = no_progress
+    device: torch.device = torch.device("cpu")  # where this process computes (see `compute_device`)
+    _rewards: dict[str, Reward] = field(default_factory=dict)
+    _inference: dict[int, DiffusionPolicy] = field(default_factory=dict)
+    _trainer: DiffusionPolicy | None = None
+    _trainer_used: bool = False
+
+    # -- keys ------------------------------------------------------------------------------
+    @staticmethod
+    def key(stage: str, t: int) -> str:
+        return f"iterations/{t:04d}/{stage}"
+
+    @property
+    def base_key(self) -> str:
+        """Cache commit of the pretrained tiny base: its architecture and pretraining, not how RL trains it."""
+        arch = self.cfg.model.model_dump(mode="json", exclude={"lora", "dtype", "gradient_checkpointing"})
+        digest = fingerprint({"model": arch, "pretrain": self.cfg.pretrain.model_dump(mode="json")})
+        return f"base-{digest}-s{self.cfg.run.seed}-v{CODE_VERSION}"
+
+    @property
+    def classifiers_key(self) -> str:
+        return f"classifiers-{self.cfg.fingerprint('pretrain')}-s{self.cfg.run.seed}-v{CODE_VERSION}"
+
+    def eval_iterations(self) -> list[int]:
+        n, every = self.cfg.grpo.iterations, self.cfg.evaluation.every
+        return sorted({0, n, *range(every, n, every)})
+
+    # -- policies --------------------------------------------------------------------------
+    @property
+    def pretrains_base(self) -> bool:
+        """The tiny model is pretrained here; pipelines arrive pretrained."""
+        return self.cfg.model.kind == "tiny-mmdit"
+
+    def _build(self) -> DiffusionPolicy:
+        base = self.cache.load(f"{self.base_key}/final").tensors("ema.safetensors") if self.pretrains_base else None
+        return build_policy(self.cfg, self.device, base_state=base)
+
+    def policy_state(self, t: int) -> dict[str, torch.Tensor] | None:
+        """theta_t's trainable state; None for theta_0 (what ``build_policy`` gives)."""
+        if t == 0:
+            return None
+        return self.store.load(self.key("update", t - 1)).tensors("policy.safetensors")
+
+    def policy_at(self, t: int) -> DiffusionPolicy:
+        """theta_t for inference (exploration, evaluation), kept in memory: workers explore theta_{t-1}
+        and theta_t in turn, so the two newest stay loaded."""
+        if t not in self._inference:
+            self._inference = {k: v for k, v in self._inference.items() if k >= t - 1}
+            policy = self._build().requires_grad_(False)
+            state = self.policy_state(t)
+            if state is not None:
+                policy.load_trainable_state(state)
+            self._inference[t] = policy.eval()
+        return self._inference[t]
+
+    def training_policy(self, t: int) -> DiffusionPolicy:
+        """The policy update(t) trains, at theta_t: one instance per process (the base loads once), its
+        state always read from the store, so a resumed process trains exactly what a running one would."""
+        state = self.policy_state(t)
+        if self._trainer is None or (state is None and self._trainer_used):  # theta_0 is only ever built
+            self._trainer = self._build()
+            if self.cfg.grpo.kl_beta > 0:
+                self._trainer.keep_reference()  # full fine-tuning: a frozen copy of theta_0 (LoRA: none)
+        if state is not None:
+            self._trainer.load_trainable_state(state)
+        self._trainer_used = True
+        return self._trainer
+
+    # -- rewards ---------------------------------------------------------------------------
+    def reward(self, name: str) -> Reward:
+        if name not in self._rewards:
+            context = RewardContext(self.cfg, self.device, self.cache, self.classifiers_key)
+            self._rewards[name] = build_reward(context, name)
+        return self._rewards[name]
+
+    def weighted_reward(self, which: str) -> WeightedReward:
+        """``rewards.train`` or ``rewards.eval`` as a weighted sum of registry rewards."""
+        weights: dict[str, float] = getattr(self.cfg.rewards, which)
+        return WeightedReward(which, {name: (w, self.reward(name)) for name, w in weights.items()})
+
+
+def distributed() -> bool:
+    """Launched as one of several processes (accelerate launch / torchrun set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def compute_device(name: str) -> torch.device:
+    """``run.device`` on this machine: auto is cuda when torch sees a GPU. Under a multi-GPU launch each
+    process takes the GPU of its LOCAL_RANK. Asking for a GPU that is not there is an error, early."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"run.device is {name!r} but torch {torch.__version__} sees no CUDA device "
+                              f"(built for CUDA {torch.version.cuda}); use run.device=auto or cpu")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if distributed() else 0)
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f"run.device is {name!r} (index {device.index}) but this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def open_run(cfg: Config, progress: Progress = no_progress) -> Run:
+    """Open (or start) the run at cfg's URL. A run keeps the config it started with: another is an error.
+
+    The store URL itself is not part of the comparison: a run may be opened from wherever its store is,
+    and ``run.device: auto`` resolves per machine (same numbers for the same device type).
+    """
+    device = compute_device(cfg.run.device)
+    torch.set_num_threads(cfg.run.threads)
+    if device.type == "cuda":
+        # cuBLAS is deterministic only with a fixed workspace (must be set before its first call);
+        # ops without a deterministic CUDA kernel warn (naming the op) instead of stopping a run.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.cuda.set_device(device)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        torch.use_deterministic_algorithms(True)
+    cfg = cfg.resolved()
+    store, cache = RunStore(cfg.run_url), RunStore(cfg.cache_url)
+    if store.is_committed("config"):
+        started = config_from_dict(store.load("config").json("config.json"), f"{store.url}/config")
+        started = started.model_copy(update={"run": started.run.model_copy(update={"url": cfg.run_url})})
+        if started != cfg:
+            raise ConfigError(f"run {store.url} was started with another config; differences:\n"
+                              + config_diff(started.model_dump(), cfg.model_dump())
+                              + "\nuse another run.name/run.url, or the original config")
+    else:
+        store.commit("config", {"config.json": json_bytes(cfg.model_dump(mode="json"))})
+    return Run(cfg, store, cache, progress, device)
+
+
+def open_run_from_url(url: str, progress: Progress = no_progress) -> Run:
+    """Open an existing run from its store URL alone (workers, stage jobs): its committed config says the rest."""
+    store = RunStore(url)
+    if not store.is_committed("config"):
+        raise ConfigError(f"no run at {url}: it has no committed config (start it with `spotlight run`)")
+    cfg = config_from_dict(store.load("config").json("config.json"), f"{url}/config")
+    return open_run(cfg.model_copy(update={"run": cfg.run.model_copy(update={"url": url})}), progress)
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:
+    lines = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            sub = config_diff(va, vb, f"{prefix}{k}.")
+            lines += [sub] if sub else []
+        elif va != vb:
+            lines.append(f"  {prefix}{k}: {va!r} (started) vs {vb!r} (now)")
+    return "\n".join(lines)
