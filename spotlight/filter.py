@@ -21,6 +21,7 @@ class Selection:
     rewards: list[float]
     std: float  # std of the kept group (unbiased, as the advantages use)
     random_std: float  # std of the first G candidates: what mode "none" would have trained on
+    candidates_std: float  # std of all candidates (unbiased): what the planner learns from, fair at every count
 
 
 def max_variance_subset(rewards: torch.Tensor, g: int) -> tuple[torch.Tensor, float]:
@@ -41,4 +42,4 @@ def select(seeds: list[int], rewards: list[float], g: int) -> Selection:
     r = torch.tensor(rewards, dtype=torch.float64)
     idx, std = max_variance_subset(r, g)
     return Selection([seeds[i] for i in idx.tolist()], [rewards[i] for i in idx.tolist()], std,
-                     r[:g].std().item())
+                     r[:g].std().item(), r.std().item())

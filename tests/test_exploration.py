@@ -51,8 +51,9 @@ def test_planner_respects_floor_batches_cap_and_budget_and_learns():
     state = PlannerState()
     prompts = [f"p{i}" for i in range(4)]
     for _ in range(5):
-        state.observe("p2", 0.4)  # exploring p2 has paid off
-        state.observe("p0", 0.0)  # p0 never gains anything
+        state.forget()
+        state.observe("p2", 0.4, 16)  # p2's rewards differ widely: exploring it pays off
+        state.observe("p0", 0.0, 16)  # p0's rewards are all equal: nothing to find
     counts, _ = plan(state, prompts, group_size=6, batch=4, budget_candidates=80, max_per_prompt=40,
                      generator=torch.Generator().manual_seed(0))
     assert all(c >= 6 and c % 4 == 0 and c <= 40 for c in counts)
