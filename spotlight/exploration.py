@@ -47,10 +47,14 @@ def open_queues(run) -> list[tuple[int, WorkQueue]]:
 
 
 def candidate_seeds(cfg: Config, t: int, counts: list[int]) -> list[list[int]]:
-    """Seeded candidate seeds per prompt; a prompt's first G are what mode ``none`` would train on."""
-    g = generator(cfg.run.seed, "candidate-seeds", t)
-    table = torch.randint(SEED_SPACE, (len(counts), max(counts)), generator=g).tolist()
-    return [row[:n] for row, n in zip(table, counts)]
+    """Seeded candidate seeds per prompt, one generator per (run seed, iteration, prompt index).
+
+    Per-prompt generators pair the modes: a prompt's seeds never depend on the other prompts' counts,
+    so every mode's first G seeds of prompt i are exactly the seeds mode ``none`` trains on for it,
+    and the modes differ only in which seeds they select, not in which seeds they could draw.
+    """
+    return [torch.randint(SEED_SPACE, (n,), generator=generator(cfg.run.seed, "candidate-seeds", t, i)).tolist()
+            for i, n in enumerate(counts)]
 
 
 def make_items(prompts: list[str], seeds: list[list[int]], batch: int) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ class Selection:
     rewards: list[float]
     std: float  # std of the kept group (unbiased, as the advantages use)
     random_std: float  # std of the first G candidates: what mode "none" would have trained on
+    candidates_std: float  # std of all candidates (unbiased): what the planner learns from, fair at every count
 
 
 def max_variance_subset(rewards: torch.Tensor, g: int) -> tuple[torch.Tensor, float]:
@@ -42,7 +43,7 @@ def select(seeds: list[int], rewards: list[float], g: int) -> Selection:
     r = torch.tensor(rewards, dtype=torch.float64)
     idx, std = max_variance_subset(r, g)
     return Selection([seeds[i] for i in idx.tolist()], [rewards[i] for i in idx.tolist()], std,
-                     r[:g].std().item())
+                     r[:g].std().item(), r.std().item())
 
 
 def keep_most_informative(prompts: list[str], seeds: list[list[int]], rewards: list[list[float]], g: int,
@@ -55,7 +56,7 @@ def keep_most_informative(prompts: list[str], seeds: list[list[int]], rewards: l
         sel = select(row_seeds, row_rewards, g)
         selections.append(sel)
         rows.append({"prompt": prompt, "candidates": len(row_seeds), "std": sel.std, "random_std": sel.random_std,
-                     "gain": sel.std - sel.random_std, "kept": False})
+                     "candidates_std": sel.candidates_std, "gain": sel.std - sel.random_std, "kept": False})
     best = sorted(sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[:keep])
     for i in best:
         rows[i]["kept"] = True

@@ -123,9 +123,10 @@ def planner_state(run: Run, t: int) -> PlannerState:
     """The bandit's posteriors from every committed filter before t (the same set on every resume)."""
     state = PlannerState()
     for s in range(t):
+        state.forget()  # once per iteration: old evidence fades as the policy moves
         if run.store.is_committed(run.key("filter", s)):
             for row in run.store.load(run.key("filter", s)).json("stats.json").get("prompts", []):
-                state.observe(row["prompt"], row["gain"])
+                state.observe(row["prompt"], row["candidates_std"], row["candidates"])
     return state
 
 

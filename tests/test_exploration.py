@@ -16,10 +16,11 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from spotlight.exploration import make_items, spearman
+from spotlight.config import load_config
+from spotlight.exploration import candidate_seeds, make_items, spearman
 from spotlight.filter import max_variance_subset, select
 from spotlight.planner import PlannerState, plan
-from tests.conftest import SMALL, cli_env, spotlight_cmd
+from tests.conftest import REPO, SMALL, cli_env, spotlight_cmd
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -50,8 +51,9 @@ def test_planner_respects_floor_batches_cap_and_budget_and_learns():
     state = PlannerState()
     prompts = [f"p{i}" for i in range(4)]
     for _ in range(5):
-        state.observe("p2", 0.4)  # exploring p2 has paid off
-        state.observe("p0", 0.0)  # p0 never gains anything
+        state.forget()
+        state.observe("p2", 0.4, 16)  # p2's rewards differ widely: exploring it pays off
+        state.observe("p0", 0.0, 16)  # p0's rewards are all equal: nothing to find
     counts, _ = plan(state, prompts, group_size=6, batch=4, budget_candidates=80, max_per_prompt=40,
                      generator=torch.Generator().manual_seed(0))
     assert all(c >= 6 and c % 4 == 0 and c <= 40 for c in counts)
@@ -60,6 +62,21 @@ def test_planner_respects_floor_batches_cap_and_budget_and_learns():
     again, _ = plan(state, prompts, group_size=6, batch=4, budget_candidates=80, max_per_prompt=40,
                     generator=torch.Generator().manual_seed(0))
     assert again == counts, "same state and seed, same plan"
+
+
+def test_candidate_seeds_are_paired_across_modes():
+    """Every mode's first G seeds of each of the first P prompts are the seeds mode none trains on."""
+    cfg = load_config(REPO / "configs/tiny.yaml", ["run.seed=3"])
+    g, p = 8, 8
+    none = candidate_seeds(cfg, 5, [g] * p)
+    explored = candidate_seeds(cfg, 5, [16, 64, 8, 128, 24, 8, 40, 200, 32, 16])  # P prompts + 2 extra
+    assert [len(s) for s in none] == [g] * p and len(explored) == p + 2
+    assert all(e[:g] == n for e, n in zip(explored, none)), "paired: same first G seeds per prompt"
+    other_counts = candidate_seeds(cfg, 5, [8, 8, 8, 16, 128, 64, 64, 8, 8, 200])
+    assert other_counts[7] == explored[7][:8] and other_counts[9][:16] == explored[9], \
+        "a prompt's seeds do not depend on the other prompts' counts"
+    assert len({s for row in explored for s in row}) == sum(map(len, explored)), "no seed repeats across prompts"
+    assert candidate_seeds(cfg, 6, [g] * p) != none, "another iteration, other seeds"
 
 
 def test_items_have_fixed_batches():
