@@ -619,8 +619,8 @@ def summary_table(fc: Forecast) -> Table:
     zones, n = len(fc.traces), fc.scenario.offsets
     table = Table(title=f"forecast to held-out reward >= {fc.scenario.target} "
                         f"({zones} zones x {n} trace start offsets; on-demand: one run per zone)")
-    for col in ("schedule", "curve", "iterations", "minutes: mean (p10-p90)", "x time", "$: mean (p10-p90)",
-                "x $", "preemptions per run"):
+    for col in ("schedule", "curve", "iterations", "minutes mean (p10-p90)", "x time", "$ mean (p10-p90)",
+                "x $", "preemptions/run"):
         table.add_column(col, justify="left" if col in ("schedule", "curve") else "right")
     base = fc.schedule(BASELINE)
     base_all = [o for outs in base.outcomes.values() for o in outs]
@@ -642,7 +642,7 @@ def summary_table(fc: Forecast) -> Table:
 def zone_table(fc: Forecast) -> Table:
     """The spread over start offsets, per zone: p10 / p50 / p90 and the mean's ratio to on-demand sync."""
     table = Table(title=f"per zone, over {fc.scenario.offsets} trace start offsets (p10 / p50 / p90)")
-    for col in ("schedule", "zone", "minutes", "$", "x time", "x $", "preemptions per run"):
+    for col in ("schedule", "zone", "minutes", "$", "x time", "x $", "preemptions/run"):
         table.add_column(col, justify="left" if col in ("schedule", "zone") else "right")
     base = fc.schedule(BASELINE).outcomes
     for s in fc.schedules[1:]:
@@ -697,7 +697,7 @@ def write_plot(fc: Forecast, path: Path) -> Path:
     for ax, what, unit in ((axes[1], "seconds", "minutes to target"), (axes[2], "dollars", "$ to target")):
         for i, s in enumerate(fc.schedules):
             if not s.outcomes:
-                ax.text(i, 0, "not reached", ha="center", va="bottom", rotation=90)
+                ax.text(i, 0.5, "not reached", ha="center", va="center", rotation=90, transform=ax.get_xaxis_transform())
             for k, zone in enumerate(zones):
                 values = [getattr(o, what) / (60 if what == "seconds" else 1) for o in s.outcomes.get(zone, ())]
                 if values:
@@ -706,7 +706,7 @@ def write_plot(fc: Forecast, path: Path) -> Path:
                     box["boxes"][0].set_facecolor(f"C{k}")
         ax.set_xticks(range(len(fc.schedules)), [s.name.replace(", ", ",\n") for s in fc.schedules], fontsize=8)
         ax.set(ylabel=unit, title=f"{unit} (boxes: trace start offsets)")
-        ax.set_yscale("log")
+    axes[1].set_yscale("log")  # capacity waits stretch minutes over orders of magnitude
     axes[2].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=f"C{k}") for k in range(len(zones))], labels=zones,
                    fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -209,7 +209,7 @@ def test_bad_inputs_are_refused_naming_them(tmp_path):
         sim.read_run("none", f"file://{tmp_path}/empty")
 
 
-def test_a_target_no_curve_reaches_is_reported_not_invented():
+def test_a_target_no_curve_reaches_is_reported_not_invented(tmp_path):
     curves = {"none": sim.Curve("none", ((0, 0.8), (1, 0.9), (2, 0.93)), ("a",)),
               "spotlight": sim.Curve("spotlight", ((0, 0.8), (1, 0.96)), ("b",))}
     times = sim.StageTimes({"none": 60.0, "spotlight": 60.0}, 60.0, 4, {})
@@ -222,6 +222,10 @@ def test_a_target_no_curve_reaches_is_reported_not_invented():
     console.print(sim.summary_table(fc))
     text = console.export_text()
     assert "not reached (best 0.930, theta_2)" in text and "n/a" in text
+    none_reach = sim.forecast(sim.Scenario(target=0.99, offsets=2), curves, times, sim.load_traces(zones=["us-west-2b"]))
+    assert all(s.iterations is None and not s.outcomes for s in none_reach.schedules)
+    plot = sim.write_plot(none_reach, tmp_path / "none.png")
+    assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cli_end_to_end_prints_the_table_and_writes_the_plot(tmp_path):
