@@ -50,7 +50,7 @@ import json
 import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from itertools import count
 from pathlib import Path
@@ -516,14 +516,18 @@ class Outcome:
 
 @dataclass(frozen=True)
 class ScheduleForecast:
+    """One schedule's runs: none when its curve never reaches the target (nothing is invented)."""
+
     name: str
     mode: str
     iterations: int | None  # None: the mode's curve never reaches the target
-    outcomes: dict[str, tuple[Outcome, ...]] = field(default_factory=dict)  # zone -> one per start offset
+    outcomes: dict[str, tuple[Outcome, ...]]  # zone -> one per start offset
 
 
 @dataclass(frozen=True)
 class Forecast:
+    """Everything a forecast used and found, for the tables, the plot and the tests."""
+
     scenario: Scenario
     times: StageTimes
     curves: dict[str, Curve]
