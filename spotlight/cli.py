@@ -95,6 +95,59 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
     Console().print(table)
 
 
+@app.command()
+def simulate(
+        target: float = typer.Option(..., "--target", help="held-out reward to reach"),
+        curves: Optional[Path] = typer.Option(
+            None, "--curves", help="a bench/time_to_target.py --out folder (run stores <mode>-s<seed>)"),
+        runs: list[str] = typer.Option([], "--run", help="MODE=URL: a run store of mode none or spotlight (repeatable)"),
+        update_seconds: Optional[float] = typer.Option(
+            None, "--update-seconds", help="trainer seconds per iteration; default: measured from the runs' timeline/"),
+        explore_seconds: Optional[float] = typer.Option(
+            None, "--explore-seconds", help="worker-seconds of one exploration; default: measured from the runs"),
+        explore_units: Optional[int] = typer.Option(
+            None, "--explore-units", help="seed batches per exploration (a preemption loses one); default: measured"),
+        explorers: int = typer.Option(1, "--explorers", help="spot explorers of the Spotlight schedule"),
+        cold_start: float = typer.Option(300.0, "--cold-start-seconds", help="provision + setup + model load, first launch"),
+        recovery: float = typer.Option(300.0, "--recovery-seconds", help="the same, after each preemption"),
+        stall: float = typer.Option(120.0, "--stall-seconds", help="no exploration progress this long: the trainer joins"),
+        accelerator: str = typer.Option("A100:8", "--accelerator", help="one trainer node, NAME:COUNT"),
+        explorer_accelerator: Optional[str] = typer.Option(None, "--explorer-accelerator", help="default: --accelerator"),
+        cloud: str = typer.Option("aws", "--cloud", help="whose catalog prices (sky/catalog/v8/<cloud>/vms.csv)"),
+        region: Optional[str] = typer.Option(None, "--region", help="price region; default: each trace zone's region"),
+        traces: Optional[Path] = typer.Option(None, "--traces", help="spot trace folder; default: the shipped sky/traces"),
+        zones: Optional[str] = typer.Option(None, "--zones", help="comma-separated zones of that folder; default: all"),
+        offsets: int = typer.Option(32, "--offsets", help="evenly spaced trace start offsets per zone"),
+        plot: Path = typer.Option(Path("out/simulate.png"), "--plot", help="where to write the PNG")) -> None:
+    """Forecast time and $ to a held-out reward target: on-demand sync, all-spot sync and Spotlight, on real spot traces."""
+    from spotlight import simulate as sim
+
+    records = sim.runs_in(curves) if curves else []
+    for spec in runs:
+        mode, sep, url = spec.partition("=")
+        if not sep or not url:
+            raise sim.SimulationError(f"--run {spec!r}: expected MODE=URL, e.g. none=file:///tmp/bench/none-s0")
+        records.append(sim.read_run(mode, url))
+    if not records:
+        raise sim.SimulationError("no reward curves: give --curves DIR or --run MODE=URL")
+    scenario = sim.Scenario(target=target, explorers=explorers, cold_start_seconds=cold_start,
+                            recovery_seconds=recovery, stall_seconds=stall, offsets=offsets)
+    times = sim.stage_times(records, update_seconds, explore_seconds, explore_units)
+    fc = sim.forecast(scenario, sim.curves_of(records), times,
+                      sim.load_traces(traces or sim.TRACES_DIR, zones.split(",") if zones else None),
+                      accelerator, explorer_accelerator, cloud, region)
+    out = Console()
+    out.print(sim.summary_table(fc))
+    out.print(sim.zone_table(fc))
+    for s in fc.schedules:
+        if s.iterations is None:
+            out.print(f"[bold yellow]warning:[/] {s.name}: the {s.mode!r} curve never reaches {target} "
+                      f"(best {fc.curves[s.mode].best[1]:.4f}); no time or cost is forecast for it")
+    for line in sim.assumptions(fc):
+        out.print(line, soft_wrap=True, highlight=False)
+    out.print(f"plot: {sim.write_plot(fc, plot)}", soft_wrap=True, highlight=False)
+
+
 def main() -> None:
     """Entry point that turns known errors into one clear line and exit code 2."""
     try:
