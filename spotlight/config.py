@@ -268,7 +268,9 @@ class Config(Section):
     data: DataSection = DataSection()
     pretrain: PretrainSection = PretrainSection()
     sampler: SamplerSection = SamplerSection()
-    rewards: RewardsSection = RewardsSection()
+    # A factory, not an instance: validating a default at class definition would import spotlight.rewards
+    # (the registry) while this module is half-loaded.
+    rewards: RewardsSection = Field(default_factory=RewardsSection)
     grpo: GRPOSection = GRPOSection()
     exploration: ExplorationSection = ExplorationSection()
     evaluation: EvaluationSection = EvaluationSection()
