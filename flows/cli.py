@@ -10,7 +10,7 @@ import typer
 from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
 from spotlight.config import load_config
 from spotlight.report import Summary
-from spotlight.run import compute_device
+from spotlight.run import check_inputs, compute_device
 
 
 @app.command()
@@ -18,6 +18,7 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
     """Run (or resume) post-training as a Prefect flow: pretrain, then explore -> filter -> update."""
     cfg = load_config(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
     compute_device(cfg.run.device)  # so does a device this machine does not have
+    check_inputs(cfg)  # and missing prompt files or reward weights
     from flows.post_train import post_train
 
     summary = post_train(config_path=str(config), run_url=run_url, overrides=overrides)

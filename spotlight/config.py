@@ -70,6 +70,11 @@ class TinyModelSection(_ModelCommon):
     joint_attention_dim: int = 64
     pooled_projection_dim: int = 64
 
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """What the policy decodes: pixel space, so the latent shape."""
+        return (self.in_channels, self.sample_size, self.sample_size)
+
 
 class PipelineModelSection(_ModelCommon):
     """A diffusers pipeline loaded with ``from_pretrained(pretrained)``: SD3/SD3.5, FLUX.1 or Qwen-Image."""
@@ -86,6 +91,11 @@ class PipelineModelSection(_ModelCommon):
             raise ValueError(f"{path!r} is a URL; give a local path (or a bucket mounted on this machine): "
                              "weights are never downloaded at run time")
         return path
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """What the pipeline's VAE decodes: RGB at the configured resolution."""
+        return (3, self.resolution, self.resolution)
 
 
 ModelSection = Annotated[TinyModelSection | PipelineModelSection, Field(discriminator="kind")]
@@ -275,7 +285,9 @@ class Config(Section):
     data: DataSection = DataSection()
     pretrain: PretrainSection = PretrainSection()
     sampler: SamplerSection = SamplerSection()
-    rewards: RewardsSection = RewardsSection()
+    # A factory, not an instance: validating a default at class definition would import spotlight.rewards
+    # (the registry) while this module is half-loaded.
+    rewards: RewardsSection = Field(default_factory=RewardsSection)
     grpo: GRPOSection = GRPOSection()
     exploration: ExplorationSection = ExplorationSection()
     evaluation: EvaluationSection = EvaluationSection()

@@ -8,7 +8,12 @@ Images are ``[B, C, H, W]`` in [-1, 1], as policies decode them.
 - ``heldout_classifier``: the same under an independently trained CNN (another architecture, the
   other half of the data), used only for evaluation, to catch reward hacking.
 - ``jpeg_compressibility``: minus the JPEG size in kB, as in DDPO.
-- HTTP rewards named in ``rewards.remote``.
+- ``pickscore``, ``clip_score``, ``aesthetic``: CLIP-based learned rewards from local weights
+  (:mod:`spotlight.clip_rewards`).
+- HTTP rewards named in ``rewards.remote`` (:mod:`spotlight.remote_reward`).
+
+:func:`check_rewards` checks, before any compute, that every reward a run uses can be built (its
+weights' paths exist, its token is set), naming what is missing.
 
 Model rewards score through :mod:`spotlight.reward_runtime`, so the runtime (eager, compiled,
 ONNX Runtime...) is a config choice measured per device.
@@ -18,18 +23,17 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
+from spotlight import clip_rewards
+from spotlight.config import Config, ConfigError
 from spotlight.data import prompt_class
 from spotlight.models.classifier import DigitClassifier
-
-if TYPE_CHECKING:  # the config validates reward names against this registry: no import cycle
-    from spotlight.config import Config
-    from spotlight.store import RunStore
+from spotlight.store import RunStore
 
 
 class Reward(Protocol):
@@ -46,6 +50,8 @@ class RewardContext:
     device: torch.device
     cache: RunStore
     classifiers_key: str  # the cache commit holding the digit classifiers
+    # [C, H, W] of the policy's decoded images: model rewards are built (exported, compiled) for this shape.
+    image_shape: tuple[int, int, int]
 
     @property
     def batch_size(self) -> int:
@@ -119,13 +125,35 @@ def _digit_classifier(which: str) -> Callable[[RewardContext, str], Reward]:
 class RewardEntry:
     factory: Callable[[RewardContext, str], Reward]
     options: str | None = None  # the ``rewards.<section>`` with its weights' paths (required when used)
+    check: Callable[[Any], None] | None = None  # preflight of that section: raises ConfigError naming a missing path
 
 
 REWARDS: dict[str, RewardEntry] = {
     "digit_classifier": RewardEntry(_digit_classifier("reward_classifier")),
     "heldout_classifier": RewardEntry(_digit_classifier("eval_classifier")),
     "jpeg_compressibility": RewardEntry(lambda ctx, name: JpegCompressibility()),
+    "pickscore": RewardEntry(clip_rewards.build_pickscore, "pickscore", clip_rewards.check_pickscore),
+    "clip_score": RewardEntry(clip_rewards.build_clip_score, "clip_score", clip_rewards.check_clip_score),
+    "aesthetic": RewardEntry(clip_rewards.build_aesthetic, "aesthetic", clip_rewards.check_aesthetic),
 }
+
+
+def check_rewards(cfg: Config) -> None:
+    """Fail before any compute if a reward the run uses cannot be built: every problem, each named."""
+    from spotlight.remote_reward import check_remote
+
+    problems = []
+    for name in cfg.rewards.names():
+        entry = REWARDS.get(name)
+        try:
+            if name in cfg.rewards.remote:
+                check_remote(name, cfg.rewards.remote[name])
+            elif entry is not None and entry.check is not None:
+                entry.check(getattr(cfg.rewards, entry.options))
+        except ConfigError as e:
+            problems.append(f"  reward {name!r}: {e}")
+    if problems:
+        raise ConfigError("rewards cannot be built:\n" + "\n".join(problems))
 
 
 def build_reward(ctx: RewardContext, name: str) -> Reward:

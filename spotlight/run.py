@@ -105,7 +105,8 @@ class Run:
     # -- rewards ---------------------------------------------------------------------------
     def reward(self, name: str) -> Reward:
         if name not in self._rewards:
-            context = RewardContext(self.cfg, self.device, self.cache, self.classifiers_key)
+            context = RewardContext(self.cfg, self.device, self.cache, self.classifiers_key,
+                                    self.cfg.model.image_shape)
             self._rewards[name] = build_reward(context, name)
         return self._rewards[name]
 
@@ -136,6 +137,16 @@ def compute_device(name: str) -> torch.device:
             raise ConfigError(f"run.device is {name!r} (index {device.index}) but this machine has "
                               f"{torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def check_inputs(cfg: Config) -> None:
+    """Everything a run reads from outside its store, checked before any compute (ConfigError naming
+    it): the prompt files and the rewards' weights."""
+    from spotlight.prompts import check_prompts
+    from spotlight.rewards import check_rewards
+
+    check_prompts(cfg)
+    check_rewards(cfg)
 
 
 def open_run(cfg: Config, progress: Progress = no_progress) -> Run:

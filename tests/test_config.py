@@ -20,8 +20,9 @@ def test_default_config_file_matches_defaults():
     ("sampler.nonsense=1", "sampler.nonsense: unknown key"),
     ("grpo.group_size=0", "group size must be >= 2"),
     ("grpo.group_size=-4", "group size must be >= 2"),
-    ("rewards.train=nonexistent", "unknown reward 'nonexistent'"),
-    ("rewards.eval=nope", "known rewards: digit_classifier, heldout_classifier, jpeg_compressibility"),
+    ("rewards.train=aesthetic", "reward 'aesthetic' needs its weights: set rewards.aesthetic"),
+    ("rewards.eval=nope", "known rewards: aesthetic, clip_score, digit_classifier, heldout_classifier, "
+                          "jpeg_compressibility, pickscore"),
     ("exploration.mode=fast", "exploration.mode"),
     ("rewards.runtime=tensorrt", "unknown reward runtime 'tensorrt'"),
     ("run.device=gpu", "unknown device 'gpu'; devices: auto, cpu, cuda, cuda:N"),
@@ -43,7 +44,7 @@ def test_unknown_key_in_file(tmp_path):
 
 @pytest.mark.parametrize("override, needle", [
     ("grpo.group_size=0", "group size must be >= 2"),
-    ("rewards.train=nonexistent", "unknown reward 'nonexistent'"),
+    ("rewards.train=nope", "unknown reward 'nope'"),
     ("grpo.bogus=1", "grpo.bogus: unknown key"),
     *([("run.device=cuda", "run.device is 'cuda' but torch")] if not torch.cuda.is_available() else []),
 ])
