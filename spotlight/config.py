@@ -268,7 +268,9 @@ class Config(Section):
     data: DataSection = DataSection()
     pretrain: PretrainSection = PretrainSection()
     sampler: SamplerSection = SamplerSection()
-    rewards: RewardsSection = RewardsSection()
+    # a factory, not an instance: validating the default at class creation imports spotlight.rewards,
+    # which imports this module before Config exists (a circular import)
+    rewards: RewardsSection = Field(default_factory=RewardsSection)
     grpo: GRPOSection = GRPOSection()
     exploration: ExplorationSection = ExplorationSection()
     evaluation: EvaluationSection = EvaluationSection()
