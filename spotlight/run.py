@@ -141,10 +141,13 @@ def compute_device(name: str) -> torch.device:
 
 def check_inputs(cfg: Config) -> None:
     """Everything a run reads from outside its store, checked before any compute (ConfigError naming
-    it): the prompt files and the rewards' weights."""
+    it): the pipeline folder and LoRA targets, the prompt files and the rewards' weights."""
+    from spotlight.models.policy import check_pretrained, lora_target_check
     from spotlight.prompts import check_prompts
     from spotlight.rewards import check_rewards
 
+    check_pretrained(cfg.model)
+    lora_target_check(cfg.model)
     check_prompts(cfg)
     check_rewards(cfg)
 

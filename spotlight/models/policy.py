@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ContextManager, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
 
-from spotlight.config import LoraSection, ModelSection
+from spotlight.config import ConfigError, LoraSection, ModelSection
 
 
 @dataclass
@@ -206,7 +208,8 @@ def missing_lora_targets(module: nn.Module, targets: Sequence[str]) -> list[str]
     return [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
 
 
-#: model.kind -> "module:class"; each class has ``build(cfg: Config, device) -> DiffusionPolicy``
+#: model.kind -> "module:class"; each class has ``build(cfg: Config, device) -> DiffusionPolicy``, which
+#: returns the policy on the CPU in the dtype meant for ``device`` (build_policy moves it)
 POLICIES: dict[str, str] = {
     "tiny-mmdit": "spotlight.models.tiny:TinyMMDiT",
     "sd3": "spotlight.models.sd3:SD3Policy",
@@ -220,15 +223,75 @@ def policy_class(kind: str) -> type[DiffusionPolicy]:
     return getattr(importlib.import_module(module), name)
 
 
+#: model.kind -> the diffusers pipeline class its ``model.pretrained`` folder must hold
+PIPELINE_CLASSES: dict[str, str] = {
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "qwen-image": "QwenImagePipeline",
+}
+
+
+def check_pretrained(model: ModelSection) -> dict | None:
+    """Fail before any compute if ``model.pretrained`` is not a diffusers folder of the pipeline
+    ``model.kind`` expects (reads model_index.json only); returns that index (None for tiny-mmdit)."""
+    expected = PIPELINE_CLASSES.get(model.kind)
+    if expected is None:
+        return None
+    root = Path(model.pretrained)
+    what = f"a diffusers {expected} folder (what save_pretrained writes)"
+    if not root.is_dir():
+        raise ConfigError(f"model.pretrained: {root} {'is not a folder' if root.exists() else 'does not exist'}; "
+                          f"expected {what}")
+    index_file = root / "model_index.json"
+    if not index_file.is_file():
+        raise ConfigError(f"model.pretrained: {root} has no model_index.json; expected {what}")
+    try:
+        index = json.loads(index_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model.pretrained: {index_file} is not valid JSON ({e})") from None
+    found = index.get("_class_name")
+    if found != expected:
+        raise ConfigError(f"model.pretrained: {root} is a {found}, model.kind {model.kind} expects {expected}")
+    missing = [name for name, spec in index.items()
+               if not name.startswith("_") and isinstance(spec, list) and spec[0] is not None
+               and not (root / name).is_dir()]
+    if missing:
+        raise ConfigError(f"model.pretrained: {root} lacks the component folder(s) {missing} that its "
+                          "model_index.json lists")
+    return index
+
+
+def lora_target_check(model: ModelSection) -> None:
+    """Fail before loading any weights if a ``model.lora.target_modules`` entry matches no module of the
+    pipeline's transformer: the transformer is built from its config.json on the meta device."""
+    if model.lora is None or model.kind not in PIPELINE_CLASSES:
+        return  # the tiny model is built in full anyway; add_lora checks it
+    from accelerate import init_empty_weights
+
+    library, class_name = check_pretrained(model)["transformer"]
+    transformer_cls = getattr(importlib.import_module(library), class_name)
+    folder = Path(model.pretrained) / "transformer"
+    with init_empty_weights():
+        transformer = transformer_cls.from_config(transformer_cls.load_config(folder))
+    missing = missing_lora_targets(transformer, model.lora.target_modules)
+    if missing:
+        raise ConfigError(f"model.lora.target_modules: {missing} match no module of the {class_name} in {folder}")
+
+
 def build_policy(cfg, device: torch.device | str = "cpu",
                  base_state: dict[str, torch.Tensor] | None = None) -> DiffusionPolicy:
     """The configured policy at theta_0 on ``device``: the base weights (``base_state`` replaces the
     transformer's: the tiny model's pretrained base), then the LoRA adapter if configured.
 
-    Built on the CPU and moved afterwards, so the seeded LoRA init is the same on every machine.
-    ``cfg`` is the whole run config (the tiny model's schedule follows ``sampler.shift``)."""
+    ``cfg`` is the whole run config: the tiny model's schedule follows ``sampler.shift``. ``build``
+    returns the policy on the CPU (weights in the dtype meant for ``device``) and it moves to
+    ``device`` only after the LoRA adapter is attached: the adapter's initial weights are drawn by
+    the CPU generator, so they are the same on every machine."""
     model: ModelSection = cfg.model
-    policy = policy_class(model.kind).build(cfg, torch.device("cpu"))
+    device = torch.device(device)
+    check_pretrained(model)
+    lora_target_check(model)
+    policy = policy_class(model.kind).build(cfg, device)
     if base_state is not None:
         policy.core.load_state_dict(base_state, strict=True)
     if model.lora is not None:

@@ -69,8 +69,9 @@ class TinyMMDiT(DiffusionPolicy):
 
     @classmethod
     def build(cls, cfg: Config, device: torch.device = torch.device("cpu")) -> "TinyMMDiT":
-        """Random weights: the run loads the pretrained base (or theta_t) into them."""
-        return cls(cfg.model, cfg.sampler.shift or DEFAULT_SHIFT).to(device)
+        """Random weights on the CPU (build_policy moves them to ``device``): the run loads the
+        pretrained base (or theta_t) into them."""
+        return cls(cfg.model, cfg.sampler.shift or DEFAULT_SHIFT)
 
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         return self.prompt_encoder(prompts)
