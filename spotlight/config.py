@@ -122,6 +122,8 @@ class SamplerSection(Section):
     guidance: float = Field(1.0, ge=1.0, description="guidance scale (1 = off): classifier-free guidance, or "
                             "the guidance embedding of guidance-distilled models (FLUX.1-dev)")
     negative_prompt: str = Field("", description="the unconditional prompt of classifier-free guidance")
+    batch_size: int | None = Field(None, ge=1, description="rollouts (or evaluation samples) per forward pass; "
+                                   "null: all of an update's at once")
 
 
 class PickScoreSection(Section):
@@ -223,6 +225,8 @@ class GRPOSection(Section):
     adv_std: Literal["per_prompt", "global"] = "per_prompt"
     kl_beta: float = Field(0.05, ge=0)
     minibatch_size: int = Field(64, ge=1, description="(sample, timestep) rows per optimizer step")
+    microbatch_size: int | None = Field(None, ge=1, description="rows per forward pass (gradient accumulation "
+                                        "within a minibatch); null: the whole minibatch at once")
     epochs: int = Field(1, ge=1)
     max_grad_norm: float = Field(1.0, gt=0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,10 +54,12 @@ class UpdateBatch:
 
 def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                batch: UpdateBatch, *, minibatch_size: int, clip_range: float, noise_level: float,
-               guidance: float, max_grad_norm: float, kl_beta: float = 0.0,
+               guidance: float, max_grad_norm: float, kl_beta: float = 0.0, microbatch_size: int | None = None,
                generator: torch.Generator, rank: int = 0, world: int = 1) -> list[dict[str, float]]:
     """One pass over all (sample, timestep) rows in a seeded shuffled order; one optimizer step per minibatch.
 
+    A minibatch is computed in microbatches of ``microbatch_size`` rows (gradient accumulation: a real
+    DiT cannot take hundreds of 512 px rows in one pass); the step is that of the whole minibatch.
     Data parallel (``world`` > 1, the policy wrapped in DDP): every rank holds the same rollouts and
     draws the same order, takes rows ``rank::world`` of each minibatch and scales its loss so the
     gradient DDP averages is exactly the gradient of the whole minibatch's mean loss.
@@ -72,23 +75,40 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
         whole = rows[start : start + minibatch_size]
         sel = whole[rank::world].to(ro.latents.device)  # the order is drawn on the CPU on every device
         share = len(sel) * world / len(whole)  # 1.0 exactly in a single process
-        i, k = sel // steps, sel % steps
-        x, x_next = ro.latents[i, k], ro.latents[i, k + 1]
-        uncond = batch.uncond[i] if batch.uncond is not None else None
-        log_prob, step = step_log_prob(policy, x, x_next, k, batch.cond[i], uncond, batch.sigmas, noise_level, guidance)
-        loss, st = clipped_policy_loss(log_prob, ro.log_probs[i, k], batch.advantages[i], clip_range)
-        if kl_beta > 0:
-            with torch.no_grad(), policy.reference() as reference:
-                _, ref_step = step_log_prob(reference, x, x_next, k, batch.cond[i], uncond, batch.sigmas,
-                                            noise_level, guidance)
-            kl = ((step.mean - ref_step.mean) ** 2).mean(dim=tuple(range(1, x.ndim))) / (2 * step.std.flatten() ** 2)
-            loss = loss + kl_beta * kl.mean()
-            st["kl_ref"] = kl.mean().item()
         optimizer.zero_grad(set_to_none=True)
-        (loss * share).backward()
+        chunks = sel.split(microbatch_size or len(sel))
+        parts = []
+        for c, chunk in enumerate(chunks):
+            last = c == len(chunks) - 1
+            sync = nullcontext() if last or not hasattr(policy.transformer, "no_sync") else policy.transformer.no_sync()
+            with sync:  # DDP all-reduces once per minibatch, on its last microbatch
+                loss, st = _rows_loss(policy, batch, chunk, steps, clip_range, noise_level, guidance, kl_beta)
+                (loss * share * len(chunk) / len(sel)).backward()
+            parts.append((len(chunk), loss.item(), st))
+        st = {key: sum(w * p[key] for w, _, p in parts) / len(sel) for key in parts[0][2] if key != "max_abs_log_ratio"}
+        st["max_abs_log_ratio"] = max(p["max_abs_log_ratio"] for _, _, p in parts)
         st["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         optimizer.step()
-        st["loss"] = loss.item()
+        st["loss"] = sum(w * value for w, value, _ in parts) / len(sel)
         st["rows"] = len(sel)
         stats.append(st)
     return stats
+
+
+def _rows_loss(policy: Policy, batch: UpdateBatch, sel: torch.Tensor, steps: int, clip_range: float,
+               noise_level: float, guidance: float, kl_beta: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The mean clipped loss (+ KL) of rows ``sel`` (sample * steps + step), and its statistics."""
+    ro = batch.rollout
+    i, k = sel // steps, sel % steps
+    x, x_next = ro.latents[i, k], ro.latents[i, k + 1]
+    uncond = batch.uncond[i] if batch.uncond is not None else None
+    log_prob, step = step_log_prob(policy, x, x_next, k, batch.cond[i], uncond, batch.sigmas, noise_level, guidance)
+    loss, st = clipped_policy_loss(log_prob, ro.log_probs[i, k], batch.advantages[i], clip_range)
+    if kl_beta > 0:
+        with torch.no_grad(), policy.reference() as reference:
+            _, ref_step = step_log_prob(reference, x, x_next, k, batch.cond[i], uncond, batch.sigmas,
+                                        noise_level, guidance)
+        kl = ((step.mean - ref_step.mean) ** 2).mean(dim=tuple(range(1, x.ndim))) / (2 * step.std.flatten() ** 2)
+        loss = loss + kl_beta * kl.mean()
+        st["kl_ref"] = kl.mean().item()
+    return loss, st

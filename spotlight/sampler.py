@@ -60,6 +60,12 @@ class Rollout:
     log_probs: torch.Tensor  # [B, steps]
     images: torch.Tensor  # [B, *image_shape] decoded final samples
 
+    @staticmethod
+    def cat(parts: Sequence["Rollout"]) -> "Rollout":
+        return Rollout([p for r in parts for p in r.prompts], [s for r in parts for s in r.seeds],
+                       torch.cat([r.latents for r in parts]), torch.cat([r.log_probs for r in parts]),
+                       torch.cat([r.images for r in parts]))
+
 
 def brownian_noise(gens: list[torch.Generator], shape: tuple[int, ...], device: torch.device,
                    fine_sigmas: torch.Tensor) -> torch.Tensor:
@@ -128,3 +134,20 @@ def sample_ode(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], ste
         v = policy.guided_velocity(x, sigmas[k].expand(len(x)), cond, uncond, guidance)
         x = x + (sigmas[k + 1] - sigmas[k]) * v
     return policy.decode(x) if decode else x
+
+
+def sample_sde_batched(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], batch_size: int | None,
+                       **kwargs) -> Rollout:
+    """:func:`sample_sde` in batches of ``batch_size`` rollouts (None: one batch): a real DiT cannot
+    roll out a whole update's samples at once. The same batching always gives the same bits."""
+    size = batch_size or len(seeds)
+    return Rollout.cat([sample_sde(policy, prompts[i:i + size], seeds[i:i + size], **kwargs)
+                        for i in range(0, len(seeds), size)])
+
+
+def sample_ode_batched(policy: Policy, prompts: Sequence[str], seeds: Sequence[int], batch_size: int | None,
+                       **kwargs) -> torch.Tensor:
+    """:func:`sample_ode` in batches of ``batch_size`` samples (None: one batch)."""
+    size = batch_size or len(seeds)
+    return torch.cat([sample_ode(policy, prompts[i:i + size], seeds[i:i + size], **kwargs)
+                      for i in range(0, len(seeds), size)])

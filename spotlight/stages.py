@@ -26,7 +26,7 @@ from spotlight.pretrain import (BaseTrainer, classifier_accuracy, load_optimizer
                                 train_classifier)
 from spotlight.prompts import evaluation_prompts, iteration_prompts
 from spotlight.run import Run, distributed
-from spotlight.sampler import encode_conditioning, sample_ode, sample_sde
+from spotlight.sampler import encode_conditioning, sample_ode_batched, sample_sde_batched
 from spotlight.seeding import derive_seed, generator
 from spotlight.store import Commit, json_bytes, tensors_to_bytes
 
@@ -186,8 +186,8 @@ def update(run: Run, t: int, key: str) -> Commit:
     prompts = [p for p, seeds in zip(chosen["prompts"], chosen["seeds"]) for _ in seeds]
     seeds = [s for group in chosen["seeds"] for s in group]
     policy.eval()
-    rollout = sample_sde(policy, prompts, seeds, sc.train_steps, sc.noise_level, sc.guidance,
-                         negative_prompt=sc.negative_prompt)
+    rollout = sample_sde_batched(policy, prompts, seeds, sc.batch_size, steps=sc.train_steps,
+                                 noise_level=sc.noise_level, guidance=sc.guidance, negative_prompt=sc.negative_prompt)
     reward = run.weighted_reward("train")
     components = reward.components(rollout.images, prompts)
     rewards = reward.combine(components)
@@ -205,7 +205,7 @@ def update(run: Run, t: int, key: str) -> Commit:
     for epoch in range(gc.epochs):
         stats += grpo_epoch(policy, params, optimizer, batch, minibatch_size=gc.minibatch_size,
                             clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
-                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta,
+                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, microbatch_size=gc.microbatch_size,
                             generator=generator(cfg.run.seed, "minibatches", t, epoch),
                             rank=accelerator.process_index if accelerator else 0,
                             world=accelerator.num_processes if accelerator else 1)
@@ -271,7 +271,8 @@ def evaluate(run: Run, t: int, key: str) -> Commit:
     sc = run.cfg.sampler
     policy = run.policy_at(t)
     prompts, seeds = evaluation_prompts(run.cfg)
-    images = sample_ode(policy, prompts, seeds, sc.eval_steps, sc.guidance, sc.negative_prompt)
+    images = sample_ode_batched(policy, prompts, seeds, sc.batch_size, steps=sc.eval_steps, guidance=sc.guidance,
+                                negative_prompt=sc.negative_prompt)
     held_out = run.weighted_reward("eval")(images, prompts)
     train = run.weighted_reward("train")(images, prompts)
     n_prompts = len(prompts) // run.cfg.evaluation.seeds_per_prompt

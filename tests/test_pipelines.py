@@ -32,7 +32,7 @@ from spotlight.grpo import UpdateBatch, grpo_epoch
 from spotlight.models.export import export_full, export_lora, pipeline_class
 from spotlight.models.flux import pack_latents, unpack_latents
 from spotlight.models.policy import build_policy
-from spotlight.models.tiny_pipelines import build_tiny_clip, build_tiny_pipeline
+from spotlight.models.tiny_pipelines import build_tiny_pipeline
 from spotlight.sampler import encode_conditioning, sample_ode, sample_sde, step_log_prob
 from spotlight.seeding import draw, rollout_generators
 
@@ -299,22 +299,6 @@ def test_missing_lora_target_fails_before_loading_weights(kind, folders, tmp_pat
     with pytest.raises(ConfigError, match=rf"model.lora.target_modules: \['not_a_module'\] match no module of the "
                                           rf"{transformer} in {broken}/transformer"):
         build_policy(make_cfg(kind, broken, lora=lora), "cpu")
-
-
-def test_tiny_clip_scores_offline(tmp_path):
-    import numpy as np
-    from PIL import Image
-    from transformers import CLIPModel, CLIPProcessor
-
-    folder = build_tiny_clip(tmp_path / "clip")
-    model, processor = CLIPModel.from_pretrained(folder), CLIPProcessor.from_pretrained(folder)
-    images = [Image.fromarray(np.full((40, 48, 3), v, np.uint8)) for v in (0, 255)]
-    inputs = processor(text=["a red cat"], images=images, return_tensors="pt", padding=True)
-    assert inputs["pixel_values"].shape == (2, 3, 32, 32)
-    with torch.no_grad():
-        logits = model(**inputs).logits_per_image
-    assert logits.shape == (2, 1) and logits[0] != logits[1]
-
 
 
 @pytest.mark.parametrize("kind", KINDS)

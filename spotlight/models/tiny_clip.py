@@ -46,8 +46,10 @@ def build_tiny_clip(out_dir: str | Path, image_size: int = 32, seed: int = 0) ->
         vision_config=dict(**tower, image_size=image_size, patch_size=8),
         projection_dim=16,
     )
-    torch.manual_seed(seed)
-    CLIPModel(config).eval().save_pretrained(out)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = CLIPModel(config).eval()
+    model.save_pretrained(out)
     # Saved apart, as in the public CLIP folders: preprocessor_config.json + the tokenizer's files.
     tokenizer.save_pretrained(out)
     CLIPImageProcessorPil(size={"shortest_edge": image_size},
@@ -57,8 +59,9 @@ def build_tiny_clip(out_dir: str | Path, image_size: int = 32, seed: int = 0) ->
 
 def build_tiny_aesthetic_head(path: str | Path, dim: int, seed: int = 0) -> Path:
     """A random head in the LAION aesthetic predictor v2 layout (``layers.N.weight/bias``); .pth or .safetensors."""
-    torch.manual_seed(seed)
-    state = AestheticHead(dim).state_dict()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        state = AestheticHead(dim).state_dict()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":

@@ -1,4 +1,4 @@
-"""Tiny random-weight diffusers pipelines (SD3.5-style, FLUX.1, Qwen-Image) and a tiny CLIP, built offline.
+"""Tiny random-weight diffusers pipelines (SD3.5-style, FLUX.1, Qwen-Image), built offline.
 
 Tests, benches and CPU users exercise the real-model path with these: every part comes from the
 real diffusers/transformers classes at toy size (as diffusers' own ``get_dummy_components``), the
@@ -10,8 +10,8 @@ Functions (no CLI):
 - ``build_tiny_pipeline(kind, out_dir, seed=0, resolution=32, guidance_embeds=True) -> Path``:
   ``kind`` is ``sd3`` | ``flux`` | ``qwen-image``; ``guidance_embeds`` only matters for FLUX
   (True: FLUX.1-dev's distilled guidance embedding; False: FLUX.1-schnell-like, true CFG).
-- ``build_tiny_clip(out_dir, seed=0) -> Path``: a transformers ``CLIPModel`` + ``CLIPProcessor``
-  folder (PIL image processor, so no torchvision) for PickScore / CLIP-score reward tests.
+
+The tiny CLIP of the reward tests is :mod:`spotlight.models.tiny_clip`.
 
 Facts learned building them (transformers 5.17, tokenizers 0.23, diffusers 0.39):
 
@@ -210,24 +210,4 @@ def build_tiny_pipeline(kind: Kind, out_dir: str | Path, seed: int = 0, resoluti
         pipe = builders[kind]()
     out = Path(out_dir)
     pipe.save_pretrained(out)
-    return out
-
-
-def build_tiny_clip(out_dir: str | Path, seed: int = 0, image_size: int = 32) -> Path:
-    """A tiny transformers CLIPModel and its CLIPProcessor (PIL image processor: no torchvision),
-    saved so ``CLIPModel.from_pretrained`` / ``CLIPProcessor.from_pretrained`` load them offline."""
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
-
-    tokenizer = _clip_tokenizer()
-    text = _clip_text_config(tokenizer, 32, 16).to_dict()
-    vision = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "image_size": image_size, "patch_size": 8, "projection_dim": 16}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
-    images = CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                                   crop_size={"height": image_size, "width": image_size})
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(out)
     return out
