@@ -71,6 +71,34 @@ def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Opt
 
 
 @app.command()
+def export(run_url: str = typer.Option(..., "--run", help="the run's store URL (file://... or s3://...)"),
+           iteration: int = typer.Option(..., "--iteration", "-t", help="export theta_N (after N updates)"),
+           out: Path = typer.Option(..., "--out", help="folder to write (created)")) -> None:
+    """Write theta_N as diffusers loads it: a LoRA (pipe.load_lora_weights(OUT)) or a transformer folder, plus a model card."""
+    from spotlight.export import export_policy
+    from spotlight.run import open_run_from_url
+
+    for path in export_policy(open_run_from_url(run_url), iteration, out):
+        console.print(f"wrote {path}", soft_wrap=True, highlight=False)
+
+
+@app.command("tiny-model")
+def tiny_model(kind: str = typer.Argument(..., help="sd3 | flux | flux-schnell | qwen-image | clip | aesthetic-head"),
+               out: Path = typer.Argument(..., help="folder (or .pth file for aesthetic-head) to write")) -> None:
+    """Build a tiny random-weight model offline (to try the real-model path on a CPU, as the tests do)."""
+    from spotlight.models.tiny_clip import build_tiny_aesthetic_head, build_tiny_clip
+    from spotlight.models.tiny_pipelines import build_tiny_pipeline
+
+    builders = {"sd3": lambda: build_tiny_pipeline("sd3", out), "flux": lambda: build_tiny_pipeline("flux", out),
+                "flux-schnell": lambda: build_tiny_pipeline("flux", out, guidance_embeds=False),
+                "qwen-image": lambda: build_tiny_pipeline("qwen-image", out),
+                "clip": lambda: build_tiny_clip(out), "aesthetic-head": lambda: build_tiny_aesthetic_head(out, 16)}
+    if kind not in builders:
+        raise typer.BadParameter(f"unknown kind {kind!r}; kinds: {', '.join(builders)}")
+    console.print(f"wrote {builders[kind]()}", soft_wrap=True, highlight=False)
+
+
+@app.command()
 def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (file://... or s3://...)"),
            worker_id: Optional[str] = typer.Option(None, "--id", envvar="SPOTLIGHT_WORKER_ID",
                                                    help="worker name; default host-pid"),

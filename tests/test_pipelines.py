@@ -63,20 +63,23 @@ def load_pipeline(kind: str, folder: Path):
     return pipeline_class(kind).from_pretrained(folder)
 
 
-def pipeline_sample(pipe, kind: str, x0: torch.Tensor, guidance: float, output_type: str) -> torch.Tensor:
+def pipeline_sample(pipe, kind: str, x0: torch.Tensor, guidance: float, output_type: str,
+                    prompts: list[str] = PROMPTS, steps: int = STEPS, negative: str = "",
+                    max_sequence_length: int = 32) -> torch.Tensor:
     """The diffusers pipeline's own sampling from the initial latents ``x0`` [B, C, h, w]: unpacked
     latents, or images in [0, 1]."""
     size = x0.shape[-1] * pipe.vae_scale_factor
-    kw = dict(prompt=PROMPTS, num_inference_steps=STEPS, height=size, width=size, max_sequence_length=32,
+    kw = dict(prompt=prompts, num_inference_steps=steps, height=size, width=size,
+              max_sequence_length=max_sequence_length,
               output_type=output_type)
     if kind == "sd3":
-        kw.update(guidance_scale=guidance, latents=x0)
+        kw.update(guidance_scale=guidance, latents=x0, negative_prompt=[negative] * len(prompts))
     elif kind == "flux":
         kw.update(guidance_scale=guidance, latents=pack_latents(x0))
         if not pipe.transformer.config.guidance_embeds:
-            kw.update(true_cfg_scale=guidance, negative_prompt=[""] * len(PROMPTS))
+            kw.update(true_cfg_scale=guidance, negative_prompt=[negative] * len(prompts))
     else:
-        kw.update(true_cfg_scale=guidance, negative_prompt=[""] * len(PROMPTS), latents=pack_latents(x0))
+        kw.update(true_cfg_scale=guidance, negative_prompt=[negative] * len(prompts), latents=pack_latents(x0))
     out = pipe(**kw).images
     if output_type == "latent" and kind != "sd3":
         out = unpack_latents(out, *x0.shape[-2:])
