@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spotlight.config import ConfigError, load_config
-from tests.conftest import REPO, run_cli, spotlight_cmd
+from tests.conftest import REPO, SPOTLIGHT, run_cli, spotlight_cmd
 
 
 def test_default_config_file_matches_defaults():
@@ -71,3 +71,42 @@ def test_auto_device_is_what_this_machine_has(tmp_path, small_overrides):
     run = open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, "run.device=auto"]))
     assert run.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert run.cfg.run.device == "auto", "the run records the setting, so it resumes on any machine"
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3(tmp_path_factory) -> Path:
+    from spotlight.models.tiny_pipelines import build_tiny_pipeline
+
+    return build_tiny_pipeline("sd3", tmp_path_factory.mktemp("sd3") / "pipe")
+
+
+def test_real_model_config_without_weights_fails_at_once(tmp_path: Path):
+    cmd = [SPOTLIGHT, "run", "--config", str(REPO / "configs/sd35m-pickscore.yaml"), "--set", f"run.url=file://{tmp_path}/run"]
+    result = run_cli(cmd, tmp_path, 120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "model.pretrained: /models/stable-diffusion-3.5-medium does not exist" in " ".join(result.stderr.split())
+    assert not (tmp_path / "run").exists() and not (tmp_path / "prefect-home").exists()
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["data.prompts={tmp}/nowhere.txt"], "prompt file {tmp}/nowhere.txt does not exist"),
+    (["data.prompts={tmp}/empty.txt"], "prompt file {tmp}/empty.txt is empty"),
+    (["data.prompts={tmp}/bad.jsonl"], "{tmp}/bad.jsonl:2: not JSON"),
+    (["rewards.train={{nope: 1.0}}"], "unknown reward 'nope'"),
+    (["rewards.train={{pickscore: lots}}"], "rewards.train.pickscore: Input should be a valid number"),
+    (["model.lora.target_modules=[to_q, attn.nope]"],
+     "model.lora.target_modules: ['attn.nope'] match no module of the SD3Transformer2DModel"),
+    (["rewards.pickscore.model={tmp}/no-clip"], "{tmp}/no-clip"),
+])
+def test_real_model_inputs_are_checked_before_compute(tmp_path: Path, tiny_sd3, sets, needle):
+    """What `spotlight run` checks after parsing the config and before starting anything (check_inputs)."""
+    from spotlight.run import check_inputs
+
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a red cat"}\n{"prompt": \n')
+    base = [f"model.pretrained={tiny_sd3}", f"data.prompts={tmp_path}/prompts.txt", f"run.url=file://{tmp_path}/run"]
+    with pytest.raises(ConfigError) as err:
+        check_inputs(load_config(REPO / "configs/sd35m-pickscore.yaml", [*base, *[s.format(tmp=tmp_path) for s in sets]]))
+    assert needle.format(tmp=tmp_path) in " ".join(str(err.value).split())
+    assert not (tmp_path / "run").exists()

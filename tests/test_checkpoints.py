@@ -1,0 +1,49 @@
+"""Checkpoint retention: a long run keeps the newest policies and every keep_every-th, never one that
+resume, exploration or evaluation still needs, and a pruned policy is reported as pruned, not missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotlight import stages
+from spotlight.checkpoints import OPTIMIZER, POLICY, kept_objects
+from spotlight.config import CheckpointSection, ConfigError, load_config
+from spotlight.export import export_policy
+from spotlight.run import open_run
+from spotlight.store import StoreError
+from tests.conftest import REPO, SMALL
+
+
+def test_kept_objects_follow_the_settings():
+    keep = CheckpointSection(keep_last=2, keep_every=3)
+    newest = 7
+    assert {s for s in range(newest + 1) if POLICY in kept_objects(keep, s, newest)} == {2, 5, 6, 7}
+    assert {s for s in range(newest + 1) if OPTIMIZER in kept_objects(keep, s, newest)} == {newest}
+    assert all(kept_objects(CheckpointSection(), s, newest) == {POLICY, OPTIMIZER} for s in range(newest + 1))
+
+
+def test_keep_last_must_cover_the_stale_policy_exploration_reads():
+    with pytest.raises(ConfigError, match="checkpoint.keep_last"):
+        load_config(REPO / "configs/tiny.yaml", ["checkpoint.keep_last=1"])
+
+
+def test_a_pruned_run_resumes_explores_and_evaluates(tmp_path, cache_url):
+    sets = [*SMALL, "grpo.iterations=5", "exploration.mode=spotlight", "exploration.workers=0",
+            "exploration.candidates_per_prompt=4", "exploration.ranking_every=0", "checkpoint.keep_last=2",
+            "checkpoint.keep_every=2", f"run.cache_url={cache_url}", f"run.url=file://{tmp_path}/run"]
+    run = open_run(load_config(REPO / "configs/tiny.yaml", sets))
+    stages.pretrain(run)
+    for t in range(5):
+        stages.explore(run, t)
+        stages.update(run, t)
+        stages.evaluate(run, t + 1)  # reads theta_{t+1}: the newest, always kept
+    store = run.store
+    has = {t: {obj for obj in (POLICY, OPTIMIZER) if store.exists(f"iterations/{t:04d}/update/{obj}")} for t in range(5)}
+    assert has == {0: set(), 1: {POLICY}, 2: set(), 3: {POLICY}, 4: {POLICY, OPTIMIZER}}
+    assert store.pruned("iterations/0000/update")["objects"] == [OPTIMIZER, POLICY]
+    # a fresh process resumes from the newest commit and explores with the stale one it needs
+    resumed = open_run(load_config(REPO / "configs/tiny.yaml", [*sets, "grpo.iterations=5"]))
+    assert resumed.policy_at(4) is not None and resumed.policy_at(5) is not None
+    with pytest.raises(StoreError, match=r"policy.safetensors was pruned by checkpoint retention \(keep_last=2"):
+        export_policy(resumed, 3, tmp_path / "export")  # theta_3 = update(2)'s policy
+    assert export_policy(resumed, 4, tmp_path / "export")[0].name == "transformer"
