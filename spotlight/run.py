@@ -79,14 +79,21 @@ class Run:
 
     def policy_at(self, t: int) -> DiffusionPolicy:
         """theta_t for inference (exploration, evaluation), kept in memory: workers explore theta_{t-1}
-        and theta_t in turn, so the two newest stay loaded."""
+        and theta_t in turn, so the two newest stay loaded. An older instance is reused for the new
+        iteration (its trainable state swapped: with LoRA only the adapter), so a worker loads the base
+        once, not once per iteration."""
         if t not in self._inference:
+            spare = [k for k in self._inference if k < t - 1]
+            if spare:
+                policy = self._inference.pop(spare[0])
+                policy.load_trainable_state(self.policy_state(t))  # t > 0: an older instance exists
+            else:
+                policy = self._build().requires_grad_(False).eval()
+                state = self.policy_state(t)
+                if state is not None:
+                    policy.load_trainable_state(state)
             self._inference = {k: v for k, v in self._inference.items() if k >= t - 1}
-            policy = self._build().requires_grad_(False)
-            state = self.policy_state(t)
-            if state is not None:
-                policy.load_trainable_state(state)
-            self._inference[t] = policy.eval()
+            self._inference[t] = policy
         return self._inference[t]
 
     def training_policy(self, t: int) -> DiffusionPolicy:

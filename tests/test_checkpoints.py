@@ -4,6 +4,7 @@ resume, exploration or evaluation still needs, and a pruned policy is reported a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from spotlight import stages
 from spotlight.checkpoints import OPTIMIZER, POLICY, kept_objects
@@ -44,6 +45,12 @@ def test_a_pruned_run_resumes_explores_and_evaluates(tmp_path, cache_url):
     # a fresh process resumes from the newest commit and explores with the stale one it needs
     resumed = open_run(load_config(REPO / "configs/tiny.yaml", [*sets, "grpo.iterations=5"]))
     assert resumed.policy_at(4) is not None and resumed.policy_at(5) is not None
+    # an inference process loads the base once: an older instance is reused for a newer iteration
+    reused = open_run(load_config(REPO / "configs/tiny.yaml", sets))
+    first = reused.policy_at(2)
+    assert reused.policy_at(4) is first, "theta_2's instance now holds theta_4"
+    fresh = open_run(load_config(REPO / "configs/tiny.yaml", sets)).policy_at(4)
+    assert all(torch.equal(a, b) for a, b in zip(first.trainable_state().values(), fresh.trainable_state().values()))
     with pytest.raises(StoreError, match=r"policy.safetensors was pruned by checkpoint retention \(keep_last=2"):
         export_policy(resumed, 3, tmp_path / "export")  # theta_3 = update(2)'s policy
     assert export_policy(resumed, 4, tmp_path / "export")[0].name == "transformer"

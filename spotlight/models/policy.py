@@ -174,8 +174,8 @@ class DiffusionPolicy(nn.Module):
             if unexpected:
                 raise ValueError(f"adapter state has keys this model's adapter lacks: {unexpected[:3]}")
         else:
-            self.core.load_state_dict({k: v.to(self.core.state_dict()[k].dtype) for k, v in state.items()},
-                                      strict=True)
+            current = self.core.state_dict()
+            self.core.load_state_dict({k: v.to(current[k].dtype) for k, v in state.items()}, strict=True)
 
     def keep_reference(self) -> None:
         """Full fine-tuning: freeze a copy of the current weights as the KL reference (LoRA needs none)."""
