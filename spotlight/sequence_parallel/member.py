@@ -83,10 +83,6 @@ def load_policy(cfg: Config, source: Literal["pretrained", "peer"], device: torc
     return policy.requires_grad_(False).eval()
 
 
-class GroupBroken(RuntimeError):
-    """A collective failed: a peer died, hung or left without notice."""
-
-
 @dataclass
 class MemberStats:
     """What one member did; timestamps are wall-clock (time.time()) so processes can be compared."""

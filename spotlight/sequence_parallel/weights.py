@@ -91,6 +91,7 @@ def share_weights(policy: DiffusionPolicy, src: int, receivers: list[int], devic
     if rank != src:
         for name, module in modules.items():
             module.load_state_dict(received[name], strict=True, assign=True)  # keeps requires_grad
+            module.to(device)  # buffers built at construction (not in the state) follow the weights
         missing = [f"{n}.{k}" for n, m in modules.items()
                    for k, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
         if missing:
