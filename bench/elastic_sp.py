@@ -1,6 +1,6 @@
-"""Elastic sequence parallelism on CPU processes with a tiny FLUX.1 pipeline, measured side by side.
+"""Elastic sequence parallelism on CPU processes with a tiny FLUX.1 (or Qwen-Image) pipeline, side by side.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/elastic_sp.py --out /tmp/elastic-sp
+    OMP_NUM_THREADS=1 .venv/bin/python bench/elastic_sp.py --out /tmp/elastic-sp [--kind qwen-image]
 
 1. Rollout time per image at degree 1, 2 and 4: a group of that many processes (forked by
    ``spotlight.sequence_parallel.launch``, gloo, diffusers' Ulysses context parallelism) rolls out
@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from spotlight.config import SequenceParallelSection, load_config  # noqa: E402
 from spotlight.models.policy import build_policy  # noqa: E402
 from spotlight.models.tiny_pipelines import build_tiny_pipeline  # noqa: E402
+from spotlight.sequence_parallel import context  # noqa: E402
 from spotlight.sequence_parallel.member import make_items, rollout  # noqa: E402
 from spotlight.sequence_parallel.rendezvous import Rendezvous  # noqa: E402
 from spotlight.store import RunStore, bytes_to_tensors, tensors_to_bytes  # noqa: E402
@@ -162,14 +163,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/elastic-sp"))
     parser.add_argument("--seeds", type=int, default=8, help="seeds per prompt (2 prompts) for the degree timings")
-    parser.add_argument("--repeats", type=int, default=2, help="kill / cold-join rounds")
+    parser.add_argument("--repeats", type=int, default=2, help="kill / cold-join rounds (0: degrees only)")
+    parser.add_argument("--kind", choices=["flux", "qwen-image"], default="flux")
     args = parser.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     torch.set_num_threads(1)
-    folder = build_tiny_pipeline("flux", args.out / "flux", heads=4)
+    folder = build_tiny_pipeline(args.kind, args.out / args.kind, heads=4)
     cfg_path = args.out / "run.yaml"
-    cfg_path.write_text(f"model: {{kind: flux, pretrained: {folder}, resolution: 32, max_sequence_length: 32, "
+    cfg_path.write_text(f"model: {{kind: {args.kind}, pretrained: {folder}, resolution: 32, max_sequence_length: 32, "
                         "lora: {rank: 4, alpha: 8.0}}\nsampler: {train_steps: 6}\n"
                         "exploration: {coarsen: 2, lease_seconds: 10}\n")
     cfg = load_config(cfg_path)
@@ -179,10 +181,11 @@ def main() -> None:
     state = {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in policy.trainable_state().items()}
     store.commit("policy/theta", {"policy.safetensors": tensors_to_bytes(state)})
 
-    console = Console()
+    console = Console(width=150)
     rows = degrees(args.out, store, cfg, cfg_path, args.seeds)
-    table = Table(title="rollout time per image (tiny FLUX.1, 3 SDE steps, 64 image + 32 text tokens; "
-                        "CPU processes, gloo, Ulysses)")
+    tokens = " + ".join(f"{n} {k}" for k, n in context.sequence_lengths(policy).items())
+    table = Table(title=f"rollout time per image (tiny {args.kind}, {cfg.exploration_steps} SDE steps, {tokens}, "
+                        f"{context.heads(policy)} heads; CPU processes, gloo, Ulysses)")
     for col in ("degree", "seconds / image (median)", "max |latent - unsharded|", "max |log-prob - unsharded|",
                 "seeds"):
         table.add_column(col)
@@ -190,6 +193,8 @@ def main() -> None:
         table.add_row(r["degree"], f"{r['median']:.3f}", f"{r['latent']:.2e}", f"{r['log_prob']:.2e}", str(r["n"]))
     console.print(table)
 
+    if args.repeats == 0:
+        return
     rows = elastic(args.out, store, cfg_path, args.repeats)
     table = Table(title="regroup in memory vs cold restart (4-process group, one member killed with -9)")
     for col in ("round", "degree", "kill -> new generation proposed", "kill -> survivors back to work",
