@@ -63,7 +63,8 @@ def skeleton_policy(cfg: Config) -> DiffusionPolicy:
 
 def share_weights(policy: DiffusionPolicy, src: int, receivers: list[int], device: torch.device) -> int:
     """Copy every tensor of ``policy`` from rank ``src`` to the ``receivers`` over the default process
-    group; every rank of the group calls this (creating the sub-group is collective). Returns bytes sent."""
+    group; every rank of the group calls this (creating the sub-group is collective). Returns the bytes
+    this rank sent or received (0 outside the copy)."""
     group = dist.new_group(ranks=sorted({src, *receivers}))
     rank = dist.get_rank()
     if rank != src and rank not in receivers:
