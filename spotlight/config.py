@@ -259,6 +259,36 @@ class ExplorationSection(Section):
     ranking_prompts: int = Field(2, ge=1)
 
 
+class SequenceParallelSection(Section):
+    """One rollout of a high-resolution image shared by several GPUs (diffusers' context parallelism),
+    as an elastic group of persistent processes (spotlight.sequence_parallel; docs/sequence_parallel.md)."""
+
+    degree: int = Field(1, ge=1, description="processes (GPUs) of a group; the first generation forms when this "
+                        "many are ready, later ones take the largest valid degree of the processes left")
+    mode: Literal["ulysses", "ring"] = Field("ulysses", description="ulysses: all-to-all over heads (the degree "
+                                             "must divide the heads); ring: K/V passed around (needs an attention "
+                                             "backend that returns the log-sum-exp: CUDA only in diffusers 0.39)")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend: auto is nccl "
+                                                     "on CUDA, gloo on the CPU")
+    attention_backend: str | None = Field(None, description="diffusers attention backend of the transformer; "
+                                          "null: native for ulysses, _native_cudnn for ring")
+    heartbeat_seconds: float = Field(0.5, gt=0, description="how often a process refreshes its record in the run store")
+    dead_after_seconds: float = Field(5.0, gt=0, description="a record older than this: the process is gone")
+    regroup_grace_seconds: float = Field(0.25, ge=0, description="after a failure, how long the new leader waits "
+                                         "for the other survivors; a later one joins at a unit boundary")
+    collective_timeout_seconds: float = Field(30.0, gt=0, description="a collective stuck this long (a hung peer) "
+                                              "breaks the group, which then regroups")
+    join_timeout_seconds: float = Field(60.0, gt=0, description="forming: wait this long for the first degree "
+                                        "processes, and for a generation's members to connect")
+
+    @model_validator(mode="after")
+    def _heartbeats(self) -> "SequenceParallelSection":
+        if self.dead_after_seconds <= 2 * self.heartbeat_seconds:
+            raise ValueError(f"dead_after_seconds ({self.dead_after_seconds}) must exceed two heartbeats "
+                             f"({2 * self.heartbeat_seconds}): one late write must not look like a death")
+        return self
+
+
 class DataSection(Section):
     """Where prompts come from (flow_grpo's layout: a folder with train.txt/test.txt or
     train_metadata.jsonl/test_metadata.jsonl; or one .txt/.jsonl file; or the bundled digit classes)."""

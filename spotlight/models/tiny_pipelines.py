@@ -7,9 +7,11 @@ that ``<Pipeline>.from_pretrained(folder)`` loads exactly as it loads real weigh
 
 Functions (no CLI):
 
-- ``build_tiny_pipeline(kind, out_dir, seed=0, resolution=32, guidance_embeds=True) -> Path``:
+- ``build_tiny_pipeline(kind, out_dir, seed=0, resolution=32, guidance_embeds=True, heads=None) -> Path``:
   ``kind`` is ``sd3`` | ``flux`` | ``qwen-image``; ``guidance_embeds`` only matters for FLUX
-  (True: FLUX.1-dev's distilled guidance embedding; False: FLUX.1-schnell-like, true CFG).
+  (True: FLUX.1-dev's distilled guidance embedding; False: FLUX.1-schnell-like, true CFG);
+  ``heads`` sets the FLUX / Qwen-Image transformer's attention heads (default 2 / 3): Ulysses
+  sequence parallelism needs a head count its degree divides.
 
 The tiny CLIP of the reward tests is :mod:`spotlight.models.tiny_clip`.
 
@@ -147,7 +149,7 @@ def _sd3(resolution: int):
     )
 
 
-def _flux(guidance_embeds: bool):
+def _flux(guidance_embeds: bool, heads: int):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
@@ -155,7 +157,7 @@ def _flux(guidance_embeds: bool):
     t5 = _t5_tokenizer()
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=guidance_embeds,
+        num_attention_heads=heads, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=guidance_embeds,
         axes_dims_rope=(4, 4, 8))
     scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's scheduler config
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
@@ -166,7 +168,7 @@ def _flux(guidance_embeds: bool):
         text_encoder_2=_t5_encoder(t5, 32), tokenizer_2=t5, image_encoder=None, feature_extractor=None)
 
 
-def _qwen_image():
+def _qwen_image(heads: int):
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -174,7 +176,7 @@ def _qwen_image():
     tok = _qwen_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in _QWEN_SPECIAL}
     transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=heads,
         joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
     vae = AutoencoderKLQwenImage(  # non-trivial latents_mean/std so decode's un-normalisation is exercised
         base_dim=8, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
@@ -197,12 +199,13 @@ def _qwen_image():
 
 
 def build_tiny_pipeline(kind: Kind, out_dir: str | Path, seed: int = 0, resolution: int = 32,
-                        guidance_embeds: bool = True) -> Path:
+                        guidance_embeds: bool = True, heads: int | None = None) -> Path:
     """Build a random-weight pipeline of ``kind`` (weights follow ``seed``) and save it to ``out_dir``.
 
     ``resolution`` sizes SD3's positional-embedding grid (the largest image it can sample); FLUX and
     Qwen-Image (RoPE) sample any multiple of 4 / 8 pixels."""
-    builders = {"sd3": lambda: _sd3(resolution), "flux": lambda: _flux(guidance_embeds), "qwen-image": _qwen_image}
+    builders = {"sd3": lambda: _sd3(resolution), "flux": lambda: _flux(guidance_embeds, heads or 2),
+                "qwen-image": lambda: _qwen_image(heads or 3)}
     if kind not in builders:
         raise ValueError(f"unknown pipeline kind {kind!r}; kinds: {', '.join(builders)}")
     with torch.random.fork_rng(devices=[]):
