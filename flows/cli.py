@@ -27,11 +27,15 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
 
 @app.command()
 def plan(run_url: Optional[str] = typer.Option(
-        None, "--run", help="take stage hours per iteration from this run's cost ledger")) -> None:
-    """Cheapest spot vs on-demand offer per stage (SkyPilot's optimizer, shipped catalog) and $ per iteration."""
+        None, "--run", help="take busy hours per iteration from this run's cost ledger"),
+         config: Optional[Path] = typer.Option(None, "--config", "-c", help="price this config's placement "
+                                               "(default: the resources in sky/trainer.yaml, sky/explorer.yaml)"),
+         overrides: list[str] = SetOpt) -> None:
+    """Cheapest spot vs on-demand offer per worker kind (SkyPilot's optimizer, shipped catalog) and $ per iteration."""
     from tasks.placement import format_plan, plan as make_plan
 
-    typer.echo(format_plan(make_plan(run_url)))
+    cfg = load_config(config, overrides) if config is not None or overrides else None
+    typer.echo(format_plan(make_plan(run_url, config=cfg)))
 
 
 __all__ = ["app", "main", "typer"]
