@@ -117,8 +117,7 @@ class LocalPool:
 
     def _spawn(self, slot: str) -> None:
         kind = self.kinds[slot]
-        cmd = [self.exe, "worker", "--run", self.cfg.run_url, "--kind", kind, "--id", slot,
-               "--idle-exit", "86400", "--poll-seconds", "0.02"]
+        cmd = [self.exe, "worker", "--run", self.cfg.run_url, "--kind", kind, "--id", slot, "--idle-exit", "86400"]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), SPOTLIGHT_SLOT=slot)
         with open(self.logs / f"{slot}.log", "ab") as err:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
