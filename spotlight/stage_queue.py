@@ -133,11 +133,12 @@ def post(store: RunStore, stage: str, t: int, lease_seconds: float) -> StageRequ
 
 
 def wait(request: StageRequest, poll_seconds: float | None = None,
-         on_poll: Callable[[], None] | None = None) -> dict[str, Any]:
+         on_poll: Callable[[], None] | None = None, timeout_seconds: float | None = None) -> dict[str, Any]:
     """Wait for the stage's done marker and return it; raise StageFailed with the worker's error if the
-    attempt failed, or with the pool's reason if a worker could not be kept alive."""
+    attempt failed, or with the pool's reason if a worker could not be kept alive (``on_poll``, called
+    about once a second, may raise too; ``timeout_seconds``: TimeoutError after that long)."""
     poll = default_poll_seconds(request.store) if poll_seconds is None else poll_seconds
-    checks = 0
+    checks, deadline = 0, None if timeout_seconds is None else time.monotonic() + timeout_seconds
     while True:
         done = request.done()
         if done is not None:
@@ -154,6 +155,8 @@ def wait(request: StageRequest, poll_seconds: float | None = None,
                                   f"broken: {broken['reason']}", broken)
             if on_poll is not None:
                 on_poll()
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{request.name} not done within {timeout_seconds:g} s")
         checks += 1
         time.sleep(poll)
 

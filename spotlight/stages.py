@@ -199,7 +199,7 @@ def update(run: Run, t: int, key: str) -> Commit:
     advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten().to(run.device)
     cond, uncond = encode_conditioning(policy, prompts, sc.guidance, sc.negative_prompt)
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(run.device))
-    # Under `accelerate launch` (sky/update.yaml, several GPUs or nodes) the transformer is wrapped in
+    # Under `accelerate launch` (sky/trainer.yaml on several GPUs or nodes) the transformer is wrapped in
     # DDP and every rank trains on its share of each minibatch; in one process this changes nothing.
     accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
     if accelerator is not None:

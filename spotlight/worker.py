@@ -230,6 +230,40 @@ def _stage_function(stage: str) -> Callable[[Any, int], Any]:
             "evaluate": stages.evaluate, "ranking": stages.ranking_check}[stage]
 
 
+def _control_group() -> Any:
+    """The process group of a trainer launched as several processes (``accelerate launch`` / torchrun on
+    a multi-GPU or multi-node trainer): rank 0 pulls the work and tells the other ranks what to run.
+    CPU objects go over gloo, CUDA tensors (DDP in the update) over NCCL; accelerate reuses the group."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(hours=12))  # rank 0 may idle long
+    return dist
+
+
+def _follow_rank_0(run: Any, dist: Any, worker_id: str) -> dict[str, Any]:
+    """A trainer rank > 0: run the updates rank 0 claims (data-parallel, inside ``stages.update``), until
+    rank 0 says the worker is done. Rank 0 alone runs the other stages and writes the store."""
+    stats = WorkerStats(f"{worker_id}-rank{dist.get_rank()}")
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is None:
+            return stats.as_dict()
+        stage, t = message[0]
+        t0 = time.monotonic()
+        try:
+            _stage_function(stage)(run, t)
+        except Exception as e:  # rank 0 records the failure with the item
+            log.warning("rank %d: %s of iteration %d failed: %s", dist.get_rank(), stage, t, e)
+        stats.items_claimed += 1
+        stats.busy_seconds += time.monotonic() - t0
+
+
 def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float | None = None,
                 poll_seconds: float | None = None, idle_exit_seconds: float = 0.0, kind: str = "explorer",
                 slot: str | None = None) -> dict[str, Any]:
@@ -247,12 +281,17 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     # Imported here: the queue and run_worker stay usable without the model stack (torch, diffusers).
     from spotlight.run import open_run_from_url
 
+    from spotlight.run import distributed
+
     run = open_run_from_url(run_url)  # a wrong URL fails here, with the run named
     from spotlight import stage_queue
     from spotlight.exploration import explore_units, open_queues, trainers_may_join
 
     # a store key: SKYPILOT_TASK_ID or a hostname may hold characters the queue does not allow
     worker_id = re.sub(r"[^A-Za-z0-9_=+-]", "-", worker_id or f"{socket.gethostname()}-{os.getpid()}")
+    dist = _control_group() if kind == "trainer" and distributed() else None
+    if dist is not None and dist.get_rank() != 0:
+        return _follow_rank_0(run, dist, worker_id)
     stop = threading.Event()
     signals = _Signals(stop)
     signal.signal(signal.SIGTERM, signals.handle)
@@ -276,6 +315,8 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
         def handle(item: dict[str, Any], units: list[str]) -> Iterator[tuple[str, Any]]:
             idle, t0, outcome, result = ledger.idle(), time.time(), "failed", None
             try:
+                if dist is not None and request.stage == "update":  # every rank trains its share
+                    dist.broadcast_object_list([(request.stage, request.iteration)], src=0)
                 with signals.abortable():
                     commit = _stage_function(request.stage)(run, request.iteration)
                 outcome = "ok"
@@ -350,5 +391,7 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
         pass  # the stage in hand was released; its attempt is in the ledger
     finally:
         ledger.record("idle", None, 0.0, "exit", ledger.idle())
+        if dist is not None:
+            dist.broadcast_object_list([None], src=0)  # the other ranks leave too
     total.stopped = stop.is_set()
     return total.as_dict()

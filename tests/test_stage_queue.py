@@ -45,7 +45,7 @@ def test_a_failed_stage_attempt_is_raised_with_the_workers_error_and_is_in_the_l
         # evaluate(5) of a run that has no theta_5 (nor, maybe, a base yet): a real failure inside the stage
         request = stage_queue.post(run.store, "evaluate", 5, lease_seconds=30)
         with pytest.raises(stage_queue.StageFailed) as err:
-            stage_queue.wait(request, poll_seconds=0.05)
+            stage_queue.wait(request, poll_seconds=0.05, timeout_seconds=300)
         message = str(err.value)
         assert "evaluate of iteration 5 (attempt 1) failed on worker trainer-a" in message
         assert "--- the worker's traceback (tail) ---" in message and "Traceback (most recent call last)" in message
@@ -60,7 +60,7 @@ def test_a_failed_stage_attempt_is_raised_with_the_workers_error_and_is_in_the_l
         again = stage_queue.post(run.store, "evaluate", 5, lease_seconds=30)
         assert again.attempt == 2 and stage_queue.post(run.store, "evaluate", 5, 30).attempt == 2  # idempotent
         with pytest.raises(stage_queue.StageFailed, match=r"\(attempt 2\) failed on worker trainer-a"):
-            stage_queue.wait(again, poll_seconds=0.05)
+            stage_queue.wait(again, poll_seconds=0.05, timeout_seconds=300)
         assert [e["outcome"] for e in cost.ledger(run.store) if e["stage"] == "evaluate"] == ["failed", "failed"]
         assert trainer.poll() is None, "a failing stage does not take the trainer down"
     finally:
@@ -93,7 +93,7 @@ def test_sigterm_mid_stage_releases_it_and_keeps_what_is_finished(tmp_path):
 
     again = _trainer(run.store.url, tmp_path)  # the same name, as after a recovery
     try:
-        done = stage_queue.wait(request, poll_seconds=0.05)
+        done = stage_queue.wait(request, poll_seconds=0.05, timeout_seconds=300)
     finally:
         out = _stop(again)
     assert done["worker"] == "trainer-a" and done["epoch"] == 1, done
