@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -115,6 +117,11 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
     table.add_row("utilisation", f"{stats['utilisation']:.0%}")
     table.add_row("stopped by SIGTERM", str(stats["stopped"]))
     Console().print(table)
+    # Everything is committed: leave now. The interpreter's own teardown (torch and friends) takes
+    # seconds, which a preempted worker has not got before its kill -9.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @app.command()

@@ -38,14 +38,14 @@ RECIPE = [*SMALL, "grpo.iterations=6", "exploration.mode=spotlight", "evaluation
           "exploration.ranking_every=3", "exploration.candidates_per_prompt=8", "exploration.seeds_per_batch=4",
           "exploration.extra_prompts=2"]
 FINAL = "iterations/0005/update"
-# The replay: 10 trace minutes per real second. Each job starts at a tick of its zone's trace where its
-# next two drops come within the first 45 s after launch (recomputed and checked below), so they fall
+# The replay: 20 trace minutes per real second. Each job starts at a tick of its zone's trace where its
+# next drops come within the first 45 s after launch (recomputed and checked below), so they fall
 # inside the run however fast this machine is; after that window nothing is preempted, so a slow,
-# busy machine (where the drops may hit workers still booting) cannot livelock the run.
-COMPRESS, RECOVERY, GRACE, WINDOW = 600.0, 1.0, 3.0, 45.0
-JOBS = {"trainer-0": {"zone": "us-west-2b", "start_tick": 5745},   # drops at ~13.5 s and ~40.0 s
-        "explorer-0": {"zone": "us-east-1f", "start_tick": 5364},  # ~11.0 s and ~33.9 s
-        "explorer-1": {"zone": "us-west-2c", "start_tick": 4764}}  # ~20.1 s and ~43.0 s
+# busy machine (where a drop may hit a worker still booting) cannot livelock the run. One trainer and
+# one explorer: five preemptions, and fewer processes booting at once on a small machine.
+COMPRESS, RECOVERY, GRACE, WINDOW = 1200.0, 1.0, 3.0, 45.0
+JOBS = {"trainer-0": {"zone": "us-east-1c", "start_tick": 1366},   # drops at ~17.4 s and ~42.0 s
+        "explorer-0": {"zone": "us-west-2c", "start_tick": 4616}}  # ~14.0 s, ~25.4 s and ~36.9 s
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def _queue_records(store: RunStore, prefix: str) -> dict:
 def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(tmp_path, cache_url, moto):
     plan = planned_preemptions()
     print("planned preemptions (s after each job's launch):", {k: [round(x, 1) for x in v] for k, v in plan.items()})
-    assert sum(len(v) for v in plan.values()) >= 6 and all(len(v) >= 2 for v in plan.values())
+    assert sum(len(v) for v in plan.values()) >= 5 and all(len(v) >= 2 for v in plan.values())
 
     t0 = time.monotonic()
     clean = tmp_path / "clean"
@@ -115,7 +115,7 @@ def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(t
            "SPOTLIGHT_SKY_JOBS": "tests.emulated_cluster:EmulatedSkyJobs", "EMULATED_CLUSTER": str(_spec(tmp_path)),
            "SPOTLIGHT_POOL_POLL_SECONDS": "0.5", "SPOTLIGHT_POLL_SECONDS": "0.1",
            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "HOME": str(tmp_path / "home")}
-    placement = ["placement.trainer.workers=1", "placement.explorer.workers=2", "placement.lease_seconds=4",
+    placement = ["placement.trainer.workers=1", "placement.explorer.workers=1", "placement.lease_seconds=4",
                  "placement.stall_seconds=20", "placement.trainer.accelerators=[L4:1,A10G:1]",
                  "placement.explorer.accelerators=[A10G:1,L4:1]"]
     t0 = time.monotonic()
@@ -141,7 +141,7 @@ def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(t
                                                         for e in preempts))
     assert len(preempts) >= 5, f"only {len(preempts)} preemptions happened during the run"
     assert {e["slot"] for e in preempts} >= {"trainer-0"} and any(e["slot"].startswith("explorer") for e in preempts)
-    assert launches == {"trainer-0": 1, "explorer-0": 1, "explorer-1": 1}, "one launch per worker, not per iteration"
+    assert launches == {"trainer-0": 1, "explorer-0": 1}, "one launch per worker, not per iteration"
     by_slot = Counter(e["slot"] for e in preempts)
     assert not [e for e in events if e["event"] == "error-exit"]
     assert starts == {slot: 1 + by_slot[slot] for slot in launches}, "a process start per launch and per preemption"
@@ -201,9 +201,12 @@ def test_emulated_cluster_bad_traces_fail_at_once_naming_them(tmp_path):
     with pytest.raises(EmulationError, match=r"us-west-2b_v100_1.json: data\[2\] = 'x'"):
         load_spec(_spec(tmp_path, traces=str(broken)))
     (broken / "us-west-2b_v100_1.json").unlink()
-    with pytest.raises(EmulationError, match="no spot trace for zone.*us-west-2b"):
+    (broken / "us-west-2c_v100_1.json").unlink()  # the explorer's zone
+    with pytest.raises(EmulationError, match="no spot trace for zone.s. us-west-2c in"):
         load_spec(_spec(tmp_path, traces=str(broken)))
     with pytest.raises(EmulationError, match="no such file"):
         load_spec(tmp_path / "missing.json")
     with pytest.raises(EmulationError, match="start_tick 99999 is outside the trace of us-west-2b"):
         capacity_schedule(load_traces(TRACES), "us-west-2b", 99999, COMPRESS, RECOVERY, WINDOW)
+    with pytest.raises(EmulationError, match="no spot trace for zone 'eu-north-1a'"):
+        capacity_schedule(load_traces(TRACES), "eu-north-1a", 0, COMPRESS, RECOVERY, WINDOW)
