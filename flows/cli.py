@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +18,8 @@ from spotlight.run import check_inputs, compute_device
 def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
     """Run (or resume) post-training as a Prefect flow: pretrain, then explore -> filter -> update."""
     cfg = load_config(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
-    compute_device(cfg.run.device)  # so does a device this machine does not have
+    if os.environ.get("SPOTLIGHT_LAUNCHER", "local") == "local":
+        compute_device(cfg.run.device)  # so does a device this machine does not have (its workers use it)
     check_inputs(cfg)  # and missing prompt files or reward weights
     from flows.post_train import post_train
 

@@ -154,14 +154,16 @@ def check_inputs(cfg: Config) -> None:
     check_rewards(cfg)
 
 
-def open_run(cfg: Config, progress: Progress = no_progress) -> Run:
+def open_run(cfg: Config, progress: Progress = no_progress, computes: bool = True) -> Run:
     """Open (or start) the run at cfg's URL. A run keeps the recipe it started with: another is an error.
     Placement (where workers run) and evaluation.target may differ; a placement change is recorded.
 
     The store URL itself is not part of the comparison: a run may be opened from wherever its store is,
     and ``run.device: auto`` resolves per machine (same numbers for the same device type).
+    ``computes`` False: this process only reads and writes the store (the flow's controller, which
+    posts the GPU work to the workers), so ``run.device`` need not exist here.
     """
-    device = compute_device(cfg.run.device)
+    device = compute_device(cfg.run.device) if computes else torch.device("cpu")
     torch.set_num_threads(cfg.run.threads)
     if device.type == "cuda":
         # cuBLAS is deterministic only with a fixed workspace (must be set before its first call);

@@ -279,9 +279,7 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
         raise ValueError(f"worker kind {kind!r}: expected explorer or trainer")
     started = _process_start_time()
     # Imported here: the queue and run_worker stay usable without the model stack (torch, diffusers).
-    from spotlight.run import open_run_from_url
-
-    from spotlight.run import distributed
+    from spotlight.run import distributed, open_run_from_url
 
     run = open_run_from_url(run_url)  # a wrong URL fails here, with the run named
     from spotlight import stage_queue

@@ -32,8 +32,8 @@ _bars = ProgressBars()
 
 @lru_cache(maxsize=4)
 def _open(config_json: str) -> Run:
-    """One Run per config per process (the store, the config; no model is loaded here)."""
-    return open_library_run(config_from_dict(json.loads(config_json)), _bars)
+    """One Run per config per process (the store, the config; no model is loaded here: the workers compute)."""
+    return open_library_run(config_from_dict(json.loads(config_json)), _bars, computes=False)
 
 
 def open_run(config: dict[str, Any]) -> Run:
