@@ -38,14 +38,15 @@ RECIPE = [*SMALL, "grpo.iterations=6", "exploration.mode=spotlight", "evaluation
           "exploration.ranking_every=3", "exploration.candidates_per_prompt=8", "exploration.seeds_per_batch=4",
           "exploration.extra_prompts=2"]
 FINAL = "iterations/0005/update"
-# The replay: 20 trace minutes per real second. Each job starts at a tick of its zone's trace where its
-# next drops come within the first 45 s after launch (recomputed and checked below), so they fall
-# inside the run however fast this machine is; after that window nothing is preempted, so a slow,
-# busy machine (where a drop may hit a worker still booting) cannot livelock the run. One trainer and
-# one explorer: five preemptions, and fewer processes booting at once on a small machine.
-COMPRESS, RECOVERY, GRACE, WINDOW = 1200.0, 1.0, 3.0, 45.0
-JOBS = {"trainer-0": {"zone": "us-east-1c", "start_tick": 1366},   # drops at ~17.4 s and ~42.0 s
-        "explorer-0": {"zone": "us-west-2c", "start_tick": 4616}}  # ~14.0 s, ~25.4 s and ~36.9 s
+# The replay: 30 trace minutes per real second. Each job starts at a tick of its zone's trace where its
+# next drops come within the first 26 s after launch (recomputed and checked below): early enough to
+# fall inside the run on a fast, idle machine (the trainer's second recovery alone outlasts the last
+# one), and none after that window, so on a slow, busy machine, where a drop may hit a worker still
+# booting, the run cannot livelock. One trainer and one explorer: five preemptions, and fewer
+# processes booting at once on a small machine.
+COMPRESS, RECOVERY, GRACE, WINDOW = 1800.0, 1.0, 3.0, 26.0
+JOBS = {"trainer-0": {"zone": "us-east-1f", "start_tick": 4964},   # drops at ~10.8 s and ~18.4 s
+        "explorer-0": {"zone": "us-west-2c", "start_tick": 4593}}  # ~9.7 s, ~17.4 s and ~25.0 s
 
 
 @pytest.fixture(scope="module")
