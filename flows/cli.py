@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +18,8 @@ from spotlight.run import check_inputs, compute_device
 def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
     """Run (or resume) post-training as a Prefect flow: pretrain, then explore -> filter -> update."""
     cfg = load_config(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
-    compute_device(cfg.run.device)  # so does a device this machine does not have
+    if os.environ.get("SPOTLIGHT_LAUNCHER", "local") == "local":
+        compute_device(cfg.run.device)  # so does a device this machine does not have (its workers use it)
     check_inputs(cfg)  # and missing prompt files or reward weights
     from flows.post_train import post_train
 
@@ -27,11 +29,15 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
 
 @app.command()
 def plan(run_url: Optional[str] = typer.Option(
-        None, "--run", help="take stage hours per iteration from this run's cost ledger")) -> None:
-    """Cheapest spot vs on-demand offer per stage (SkyPilot's optimizer, shipped catalog) and $ per iteration."""
+        None, "--run", help="take busy hours per iteration from this run's cost ledger"),
+         config: Optional[Path] = typer.Option(None, "--config", "-c", help="price this config's placement "
+                                               "(default: the resources in sky/trainer.yaml, sky/explorer.yaml)"),
+         overrides: list[str] = SetOpt) -> None:
+    """Cheapest spot vs on-demand offer per worker kind (SkyPilot's optimizer, shipped catalog) and $ per iteration."""
     from tasks.placement import format_plan, plan as make_plan
 
-    typer.echo(format_plan(make_plan(run_url)))
+    cfg = load_config(config, overrides) if config is not None or overrides else None
+    typer.echo(format_plan(make_plan(run_url, config=cfg)))
 
 
 __all__ = ["app", "main", "typer"]

@@ -2,6 +2,9 @@
 
 Read it top to bottom: it is the recipe. Everything it calls is a thin task over a pure,
 idempotent stage function, so re-running the flow on the same run URL resumes from the last commit.
+The GPU work runs on the run's worker pool (``tasks/workers.py``: long-lived trainers and explorers,
+local processes or SkyPilot managed jobs); each task posts its stage on the run store's queue and
+waits for the commit, so the Prefect UI still shows every stage of every iteration.
 
 Exploration modes (config ``exploration.mode``):
   none       explore(t) draws G random seeds; nothing is rolled out.
@@ -22,8 +25,8 @@ from prefect import flow, get_run_logger
 from spotlight.config import load_config
 from tasks import stages as t
 from tasks.artifacts import publish_iteration, publish_run
-from tasks.launcher import on_flow_cancellation
-from tasks.workers import exploration_workers
+from tasks.launcher import SkyLauncher, launcher_from_env, on_flow_cancellation
+from tasks.workers import worker_pool
 
 
 @flow(name="spotlight-post-train", on_cancellation=[on_flow_cancellation])
@@ -31,13 +34,14 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
                overrides: list[str] | None = None) -> dict[str, Any]:
     """Flow-GRPO post-training of the configured policy, committing every stage to the run store."""
     cfg = load_config(config_path, overrides, run_url)
-    if cfg.run.cpus:
-        os.sched_setaffinity(0, set(cfg.run.cpus))
+    launcher = launcher_from_env()
+    if cfg.placement.trainer.local_cpus and not isinstance(launcher, SkyLauncher):
+        os.sched_setaffinity(0, set(cfg.placement.trainer.local_cpus))  # this process mostly waits for it
     config, mode, n = cfg.model_dump(mode="json"), cfg.exploration.mode, cfg.grpo.iterations
     log = get_run_logger()
     log.info("run %s (exploration mode %s, %d iterations)", cfg.run_url, mode, n)
     evaluations = set(t.open_run(config).eval_iterations())  # commits the config: workers can open the run
-    with exploration_workers(cfg):  # booted first, so they are ready by the time the base is
+    with worker_pool(cfg, launcher):  # trainers and explorers for the whole run, booted first
         t.pretrain(config)
         t.evaluate(config, 0)
         for it in range(n):

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -39,12 +41,25 @@ def print_summary(summary: Summary) -> None:
     for it, rho, rho_training in summary.ranking_spearman:
         table.add_row(f"seed ranking, stale vs fresh (iteration {it})",
                       f"Spearman rho {rho:.3f} ({rho_training:.3f} vs full-step training rollouts)")
-    table.add_row("cost ledger", f"${summary.cost_usd:.4f} over {summary.cost_entries} stage attempts")
+    table.add_row("cost ledger", f"${summary.cost_usd:.4f} over {summary.cost_entries} entries")
+    if summary.target is not None:
+        hit = summary.target_reached
+        table.add_row(f"to held-out reward {summary.target:g}",
+                      f"theta_{hit['iteration']} ({hit['eval_reward']:.3f}): ${hit['cost_usd']:.4f}, "
+                      f"{hit['seconds']:.0f} s" if hit else "not reached")
     if summary.eval_first_last:
         a, b = summary.eval_first_last
         table.add_row("held-out reward change", f"{b - a:+.3f}")
     out = Console()
     out.print(table)
+    if summary.cost_by_stage:
+        costs = Table(title="cost ledger per stage (idle: workers held but waiting, boots included)")
+        for col in ("stage", "attempts", "failed or preempted", "seconds", "$"):
+            costs.add_column(col, justify="left" if col == "stage" else "right")
+        for stage, row in sorted(summary.cost_by_stage.items()):
+            costs.add_row(stage, str(int(row["attempts"])), str(int(row["not_ok"])), f"{row['seconds']:.1f}",
+                          f"{row['cost_usd']:.4f}")
+        out.print(costs)
     out.print(f"reward curve:             {summary.reward_curve}", soft_wrap=True)
     out.print(f"samples (before | after): {summary.samples}", soft_wrap=True)
 
@@ -65,9 +80,11 @@ def stage(name: str = typer.Argument(..., help=f"pretrain, {', '.join(STAGES)}")
 
 
 @app.command()
-def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
+def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt,
+           target: Optional[float] = typer.Option(
+               None, "--target", help="held-out reward to price (cost and time to it); default evaluation.target")) -> None:
     """Write the reward curve and sample grid of a run from what it committed, and print its summary."""
-    print_summary(write_report(open_run(load_config(config, overrides, run_url))))
+    print_summary(write_report(open_run(load_config(config, overrides, run_url)), target))
 
 
 @app.command()
@@ -100,18 +117,25 @@ def tiny_model(kind: str = typer.Argument(..., help="sd3 | flux | flux-schnell |
 
 @app.command()
 def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (file://... or s3://...)"),
+           kind: str = typer.Option("explorer", "--kind", envvar="SPOTLIGHT_WORKER_KIND",
+                                    help="explorer (exploration items) or trainer (pretrain, update, evaluate, "
+                                         "ranking; joins explorations the flow waits for)"),
            worker_id: Optional[str] = typer.Option(None, "--id", envvar="SPOTLIGHT_WORKER_ID",
                                                    help="worker name; default host-pid"),
            lease_seconds: Optional[float] = typer.Option(
-               None, "--lease-seconds", help="lease length, renewed every third; default: the run's exploration.lease_seconds"),
+               None, "--lease-seconds", help="lease length, renewed every third; default: the run's placement.lease_seconds"),
            idle_exit: float = typer.Option(0.0, "--idle-exit", help="exit after this long with no claimable work"),
-           poll_seconds: float = typer.Option(0.5, "--poll-seconds", help="how often to look for new work")) -> None:
-    """Explore seeds for a run: pull items from its exploration queues until none is left (SIGTERM-safe)."""
+           poll_seconds: Optional[float] = typer.Option(
+               None, "--poll-seconds", help="how often to look for new work; default 0.02 s on a local store, "
+                                            "0.5 s on S3 (or SPOTLIGHT_POLL_SECONDS)")) -> None:
+    """Work on a run as a long-lived worker: pull its work items until the run is done (SIGTERM-safe)."""
     from spotlight.worker import work_on_run
 
+    if kind not in ("explorer", "trainer"):
+        raise typer.BadParameter(f"--kind {kind!r}: expected explorer or trainer")
     stats = work_on_run(run_url, worker_id=worker_id, lease_seconds=lease_seconds, idle_exit_seconds=idle_exit,
-                        poll_seconds=poll_seconds)
-    table = Table(title=f"worker {stats['worker']} on {run_url}")
+                        poll_seconds=poll_seconds, kind=kind)
+    table = Table(title=f"{kind} worker {stats['worker']} on {run_url}")
     table.add_column("what")
     table.add_column("value")
     for key in ("items_claimed", "units_done", "items_completed", "items_released", "leases_lost"):
@@ -121,6 +145,11 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
     table.add_row("utilisation", f"{stats['utilisation']:.0%}")
     table.add_row("stopped by SIGTERM", str(stats["stopped"]))
     Console().print(table)
+    # Everything is committed: leave now. The interpreter's own teardown (torch and friends) takes
+    # seconds, which a preempted worker has not got before its kill -9.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @app.command()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import functools
 import hashlib
 import json
 import os
@@ -26,7 +28,6 @@ class RunSection(Section):
     cache_url: str | None = Field(None, description="where pretrained bases are cached; default <runs root>/_cache")
     seed: int = 0
     threads: int = Field(1, ge=1, description="torch threads; fixed so results are bit-reproducible")
-    cpus: list[int] | None = Field(None, description="pin the trainer (flow process) to these CPUs")
     device: str = Field("auto", description="where policy and rewards compute: auto (cuda if present), cpu, "
                         "cuda or cuda:N; seeds draw on the CPU either way, so a seed means the same noise")
 
@@ -251,10 +252,6 @@ class ExplorationSection(Section):
                                "filter keeps the highest-variance ones, so low-variance prompts are replaced")
     min_std: float = Field(0.02, ge=0, description="a kept group below this std is reported as low-variance")
     budget_scale: float = Field(0.7, gt=0, description="exploration pool throughput relative to the trainer, in forward passes (measured: bench/time_to_target.py)")
-    workers: int = Field(1, ge=0, description="local worker processes in the embedded default (0: explore in-process)")
-    worker_cpus: list[int] | None = Field(None, description="pin local workers to these CPUs")
-    lease_seconds: float = Field(30.0, gt=0)
-    stall_seconds: float = Field(120.0, gt=0, description="no progress this long: the stage explores in-process")
     ranking_every: int = Field(5, ge=0, description="measure stale-vs-fresh seed ranking every N iterations (0: never)")
     ranking_prompts: int = Field(2, ge=1)
 
@@ -302,6 +299,119 @@ class EvaluationSection(Section):
     every: int = Field(5, ge=1, description="evaluate every N iterations (and at 0 and the end)")
     seeds_per_prompt: int = Field(16, ge=1, description="fixed evaluation seeds per held-out prompt")
     prompts: int | None = Field(None, ge=1, description="evaluate on the first N held-out prompts (null: all)")
+    target: float | None = Field(None, description="held-out reward the report prices: cost and time until an "
+                                 "evaluated policy first reaches it (a reading of results, not the recipe: a "
+                                 "resumed run may change it)")
+
+
+CATALOG_ACCELERATORS = Path(__file__).resolve().parent.parent / "sky" / "catalog" / "v8" / "common" / "accelerators.csv"
+
+
+@functools.lru_cache(maxsize=1)
+def catalog_accelerators() -> dict[str, str]:
+    """SkyPilot's accelerator names (the shipped catalog snapshot), by lowercase name."""
+    with open(CATALOG_ACCELERATORS, newline="") as f:
+        return {row["AcceleratorName"].lower(): row["AcceleratorName"] for row in csv.DictReader(f)}
+
+
+def parse_accelerator_spec(spec: str) -> tuple[str, int]:
+    """``L4:1`` -> ("L4", 1), checked against SkyPilot's catalog; ValueError naming what is wrong."""
+    name, sep, count = str(spec).partition(":")
+    count = count if sep else "1"  # a bare name is one GPU, as in SkyPilot
+    if not name or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"accelerator {spec!r}: expected NAME or NAME:COUNT, e.g. L4:1 or A100:8")
+    known = catalog_accelerators()
+    if name.lower() not in known:
+        close = sorted(a for a in known.values() if a.lower().startswith(name.lower()[:2]))
+        raise ValueError(f"accelerator {name!r} is not in SkyPilot's catalog (sky/catalog/v8/common/accelerators.csv)"
+                         + (f"; did you mean one of {', '.join(close)}?" if close else ""))
+    return known[name.lower()], int(count)
+
+
+class WorkerKindSection(Section):
+    """Where one kind of worker runs: how many, on which accelerators, spot or on-demand."""
+
+    workers: int = Field(1, ge=0, description="long-lived workers of this kind (local processes or SkyPilot jobs)")
+    accelerators: tuple[str, ...] = Field(min_length=1, description="SkyPilot any_of candidates, NAME:COUNT; the "
+                                          "optimizer picks the cheapest offer on any enabled cloud")
+    use_spot: bool = Field(True, description="spot (preemptible, recovered by SkyPilot) or on-demand")
+    cpus: str | None = Field(None, description="SkyPilot cpus requirement, e.g. '8+' (null: the instance's)")
+    memory: str | None = Field(None, description="SkyPilot memory requirement in GB, e.g. '32+'")
+    disk_size: int = Field(100, ge=1, description="GB")
+    local_cpus: list[int] | None = Field(None, description="embedded default: pin this kind's local worker "
+                                         "processes to these CPUs")
+    price_per_hour: float = Field(0.0, ge=0, description="what the cost ledger records per hour for a local "
+                                  "worker of this kind (cloud workers: SkyPilot's record of the instance)")
+
+    @field_validator("accelerators")
+    @classmethod
+    def _in_catalog(cls, specs: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(f"{name}:{count}" for name, count in map(parse_accelerator_spec, specs))
+
+
+DEFAULT_ACCELERATORS = {"trainer": ("A100:1", "A100-80GB:1", "H100:1", "L4:1", "A10G:1"),
+                        "explorer": ("L4:1", "A10G:1", "A100:1", "H100:1")}
+
+
+class PlacementSection(Section):
+    """Where the run's work runs (not what it computes): may change between resumes of a run."""
+
+    trainer: WorkerKindSection = WorkerKindSection(workers=1, accelerators=DEFAULT_ACCELERATORS["trainer"])
+    explorer: WorkerKindSection = WorkerKindSection(workers=1, accelerators=DEFAULT_ACCELERATORS["explorer"])
+    lease_seconds: float = Field(30.0, gt=0, description="a claimed work item's lease, renewed every third")
+    stall_seconds: float = Field(120.0, gt=0, description="an exploration with no progress this long: the "
+                                 "trainers join it (and the pool relaunches lost workers)")
+    max_relaunches: int = Field(3, ge=0, description="per worker: relaunches after its job or process ended "
+                                "while the run needed it, before the run fails naming it")
+    idle_exit_seconds: float = Field(3600.0, gt=0, description="a cloud worker with no work this long exits "
+                                     "(the controller is gone); the pool relaunches it when work comes")
+    sequence_parallel: SequenceParallelSection = Field(
+        default_factory=SequenceParallelSection, description="elastic sequence-parallel groups for "
+        "high-resolution rollouts (spotlight.sequence_parallel); degree 1: none")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_defaults(cls, data: Any) -> Any:
+        """A kind given in part keeps its default accelerators."""
+        if isinstance(data, dict):
+            for kind, accelerators in DEFAULT_ACCELERATORS.items():
+                if isinstance(data.get(kind), dict) and "accelerators" not in data[kind]:
+                    data = {**data, kind: {**data[kind], "accelerators": accelerators}}
+        return data
+
+    @model_validator(mode="after")
+    def _trainers(self) -> "PlacementSection":
+        if self.trainer.workers < 1:
+            raise ValueError(f"placement.trainer.workers is {self.trainer.workers}: a run needs at least one "
+                             "trainer (it runs pretrain, update, evaluate and ranking)")
+        return self
+
+
+# Where these settings lived before placement had a section; committed configs of older runs (and
+# older command lines) still use them, and are read as the placement they meant.
+LEGACY_PLACEMENT = {("exploration", "workers"): ("explorer", "workers"),
+                    ("exploration", "worker_cpus"): ("explorer", "local_cpus"),
+                    ("exploration", "lease_seconds"): (None, "lease_seconds"),
+                    ("exploration", "stall_seconds"): (None, "stall_seconds"),
+                    ("run", "cpus"): ("trainer", "local_cpus")}
+
+
+def _move_legacy_placement(data: dict[str, Any]) -> dict[str, Any]:
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    placement = dict(data.get("placement") or {})
+    for (section, key), (kind, new) in LEGACY_PLACEMENT.items():
+        if isinstance(data.get(section), dict) and key in data[section]:
+            value = data[section].pop(key)
+            target = placement if kind is None else placement.setdefault(kind, {})
+            if kind is not None:
+                target = placement[kind] = dict(target)
+            if new in target and target[new] != value:
+                raise ConfigError(f"{section}.{key} (the old spelling) and placement.{kind + '.' if kind else ''}{new} "
+                                  "are both set, differently; keep placement's")
+            target[new] = value
+    if placement:
+        data["placement"] = placement
+    return data
 
 
 class CheckpointSection(Section):
@@ -326,13 +436,16 @@ class Config(Section):
     exploration: ExplorationSection = ExplorationSection()
     evaluation: EvaluationSection = EvaluationSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    placement: PlacementSection = PlacementSection()
 
     @model_validator(mode="before")
     @classmethod
     def _default_kind(cls, data: Any) -> Any:
-        """``model.kind`` may be left out: the tiny digits model."""
+        """``model.kind`` may be left out: the tiny digits model. Placement's old spellings are moved."""
         if isinstance(data, dict) and isinstance(data.get("model"), dict) and "kind" not in data["model"]:
             data = {**data, "model": {**data["model"], "kind": "tiny-mmdit"}}
+        if isinstance(data, dict):
+            data = _move_legacy_placement(data)
         return data
 
     @model_validator(mode="after")
@@ -370,6 +483,19 @@ class Config(Section):
         """The same config with the store URLs filled in (what a run commits and compares)."""
         run = self.run.model_copy(update={"url": self.run_url, "cache_url": self.cache_url})
         return self.model_copy(update={"run": run})
+
+    def recipe(self) -> dict[str, Any]:
+        """What a run computes, which a resumed run must keep: everything but placement (where it runs)
+        and evaluation.target (how the report reads the results)."""
+        data = self.model_dump(mode="json")
+        data.pop("placement")
+        data["evaluation"].pop("target")
+        return data
+
+    def with_placement(self, placement: "PlacementSection | dict[str, Any]") -> "Config":
+        if isinstance(placement, dict):
+            placement = PlacementSection.model_validate(placement)
+        return self.model_copy(update={"placement": placement})
 
     def fingerprint(self, *sections: str) -> str:
         """A short hash of the named sections (all if none): the cache key of what they determine."""

@@ -19,6 +19,8 @@ import torch
 from spotlight.config import Config
 from spotlight.sampler import sample_sde
 from spotlight.seeding import SEED_SPACE, generator
+from spotlight.stage_queue import default_poll_seconds
+from spotlight.store import AlreadyExistsError, json_bytes
 from spotlight.work_queue import WorkQueue
 from spotlight.worker import run_worker
 
@@ -31,18 +33,40 @@ def policy_iteration(cfg: Config, t: int) -> int:
 
 
 def queue_for(run, t: int) -> WorkQueue:
-    return WorkQueue(run.store, f"{QUEUE_PREFIX}/explore-{t:04d}", lease_seconds=run.cfg.exploration.lease_seconds)
+    return WorkQueue(run.store, f"{QUEUE_PREFIX}/explore-{t:04d}", lease_seconds=run.cfg.placement.lease_seconds)
 
 
-def open_queues(run) -> list[tuple[int, WorkQueue]]:
-    """Published exploration queues that still have unfinished items, oldest first."""
+def join_key(queue: WorkQueue) -> str:
+    return f"{queue.prefix}/trainers-join.json"
+
+
+def let_trainers_join(queue: WorkQueue, reason: str) -> None:
+    """Trainers take this exploration's items too (they would sit idle otherwise, or the explorers are
+    gone): the first reason is kept."""
+    try:
+        queue.store.create_bytes(join_key(queue), json_bytes({"reason": reason, "at": time.time()}))
+    except AlreadyExistsError:
+        pass
+
+
+def trainers_may_join(queue: WorkQueue) -> bool:
+    return queue.store.exists(join_key(queue))
+
+
+def open_queues(run, final: set[str] | None = None) -> list[tuple[int, WorkQueue]]:
+    """Published exploration queues that still have unfinished items, oldest first. ``final`` caches the
+    names of drained queues (they never reopen), so a long run's history is not re-read every poll."""
+    final = set() if final is None else final
     out = []
     for name in run.store.list(QUEUE_PREFIX):
-        if name.startswith("explore-"):
+        if name.startswith("explore-") and name not in final:
             t = int(name.removeprefix("explore-"))
             queue = queue_for(run, t)
-            if queue.published() and not queue.drained():
-                out.append((t, queue))
+            if queue.published():
+                if queue.drained():
+                    final.add(name)
+                else:
+                    out.append((t, queue))
     return out
 
 
@@ -87,26 +111,43 @@ def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterat
         yield unit, {"seeds": seeds, "rewards": rewards, "seconds": time.perf_counter() - started}
 
 
-def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], inline: bool) -> dict[str, Any]:
-    """Publish the items and wait until they are explored by the workers, this process joining them
-    when ``inline`` (a trainer that would otherwise sit idle waiting: the first spotlight iteration,
-    every sync iteration, or no workers at all).
+def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], inline: bool,
+                  trainers_join: bool | str = False) -> dict[str, Any]:
+    """Publish the items and wait until they are explored.
 
-    A waiting stage that sees no progress for ``stall_seconds`` (every worker gone) works inline.
+    ``inline``: this process explores too (a library call with no worker pool: ``spotlight stage``).
+    Otherwise the run's workers do it all and this process only waits (the flow's controller never
+    computes): the explorers take every item; the trainers join when ``trainers_join`` is True (the flow
+    waits for this exploration and the trainer would idle: the first spotlight iteration, every sync
+    iteration, no explorers at all), or a store key that, once committed, frees the trainer (spotlight:
+    the update that runs meanwhile). A waiting stage that sees no progress for
+    ``placement.stall_seconds`` (every explorer gone) lets the trainers join, wherever they run.
     """
     queue.publish(items)
     started = time.perf_counter()
     inline_stats: dict[str, Any] | None = None
-    last_done, last_progress = -1, time.monotonic()
+    joined = trainers_join is True
+    if joined:
+        let_trainers_join(queue, "the flow waits for this exploration")
+    last_done, last_progress, poll, status_at = -1, time.monotonic(), default_poll_seconds(run.store), 0.0
     while not queue.drained():
-        if inline or time.monotonic() - last_progress > run.cfg.exploration.stall_seconds:
+        if inline:
             inline_stats = run_worker(queue, partial(explore_units, run, t), worker_id="inline")
             continue
-        done = queue.status()["units_done"]
-        if done != last_done:
-            last_done, last_progress = done, time.monotonic()
-        time.sleep(0.05)
-    return {"wall_seconds": time.perf_counter() - started, "inline": inline_stats is not None}
+        if not joined and isinstance(trainers_join, str) and run.store.is_committed(trainers_join):
+            let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
+            joined = True
+        if time.monotonic() - status_at >= 0.25:  # progress is read at most 4 times a second (it lists leases)
+            status_at = time.monotonic()
+            done = queue.status()["units_done"]
+            if done != last_done:
+                last_done, last_progress = done, time.monotonic()
+            elif not joined and time.monotonic() - last_progress > run.cfg.placement.stall_seconds:
+                let_trainers_join(queue, f"no progress for {run.cfg.placement.stall_seconds:g} s")
+                joined = True
+        time.sleep(poll)
+    return {"wall_seconds": time.perf_counter() - started, "inline": inline_stats is not None,
+            "trainers_joined": joined}
 
 
 def gather(queue: WorkQueue, items: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[float]], float]:

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from spotlight.cost import ledger  # noqa: E402
+from spotlight.cost import by_iteration, by_stage, cost_until, ledger  # noqa: E402
 from spotlight.run import Run  # noqa: E402
 from spotlight.store import RunStore, png_bytes  # noqa: E402
 
@@ -28,6 +28,10 @@ class Summary:
     ranking_spearman: list[tuple[int, float, float]]  # iteration, stale vs fresh, stale vs fresh training rollouts
     cost_usd: float
     cost_entries: int
+    cost_by_stage: dict[str, dict[str, float]] | None = None  # stage -> attempts, not_ok, seconds, cost_usd
+    cost_by_iteration: list[tuple[int | None, float]] | None = None  # None: work of no iteration (boots, idle tails)
+    target: float | None = None
+    target_reached: dict | None = None  # iteration, eval_reward, cost_usd, seconds (None: not reached)
 
     @property
     def eval_first_last(self) -> tuple[float, float] | None:
@@ -40,6 +44,8 @@ class Summary:
             "within_group_std": self.within_group_std,
             "reward_curve": self.reward_curve, "samples": self.samples,
             "ranking_spearman": self.ranking_spearman, "cost_usd": self.cost_usd, "cost_entries": self.cost_entries,
+            "cost_by_stage": self.cost_by_stage, "cost_by_iteration": self.cost_by_iteration,
+            "target": self.target, "target_reached": self.target_reached,
         }
 
 
@@ -66,8 +72,27 @@ def _grid_image(grid: np.ndarray) -> Image.Image:
     return image.resize((image.width * scale, image.height * scale), Image.NEAREST)
 
 
-def write_report(run: Run) -> Summary:
-    """Reward curve and before/after sample grid PNGs in the run store, from committed stages only."""
+def to_target(store: RunStore, evals: list[dict], entries: list[dict], target: float) -> dict | None:
+    """Cost and time until the first evaluated policy with held-out reward >= target: every ledger entry
+    recorded by the time that evaluation was committed (attempts, failed ones included, and the workers'
+    idle time), and the seconds from the run's first entry to that commit. None: not reached."""
+    hit = next((m for m in evals if m["iteration"] >= 1 and m["eval_reward"] >= target), None)
+    if hit is None:
+        return None
+    key = f"evaluations/{hit['iteration']:04d}"
+    at = next((e["recorded_at"] for e in entries if e["stage"] == "evaluate" and e["iteration"] == hit["iteration"]
+               and e.get("outcome", "ok") == "ok"), None)
+    if at is None:  # an older run (no worker entries): the commit's own time
+        at = store.fs.modified(store.path(f"{key}/COMMIT.json")).timestamp()
+    first = min((e["recorded_at"] - e["seconds"] - e.get("idle_seconds", 0.0) for e in entries), default=at)
+    return {"iteration": hit["iteration"], "eval_reward": hit["eval_reward"], "cost_usd": cost_until(entries, at),
+            "seconds": max(0.0, at - first)}
+
+
+def write_report(run: Run, target: float | None = None) -> Summary:
+    """Reward curve and before/after sample grid PNGs in the run store, from committed stages only, and
+    the cost ledger per stage and iteration; ``target`` (default ``evaluation.target``): the held-out
+    reward whose cost and time to reach the summary states."""
     store = run.store
     updates = committed_metrics(store, "iterations", "update")
     evals = committed_metrics(store, "evaluations")
@@ -102,8 +127,13 @@ def write_report(run: Run) -> Summary:
         reward_curve=f"{store.url}/report/reward_curve.png",
         samples=f"{store.url}/report/samples_before_after.png",
         ranking_spearman=[(m["iteration"], m["spearman"], m["spearman_to_training"]) for m in rankings],
-        cost_usd=sum(e["cost_usd"] for e in entries),
+        cost_usd=sum(e["cost_usd"] + e.get("idle_cost_usd", 0.0) for e in entries),
         cost_entries=len(entries),
+        cost_by_stage=by_stage(entries),
+        cost_by_iteration=sorted(by_iteration(entries).items(), key=lambda kv: -1 if kv[0] is None else kv[0]),
     )
+    target = run.cfg.evaluation.target if target is None else target
+    if target is not None:
+        summary.target, summary.target_reached = target, to_target(store, evals, entries, target)
     store.put_json("report/summary.json", summary.as_dict())
     return summary

@@ -1,6 +1,7 @@
 """A run: its config, its store, the cache of pretrained parts, and this process's policies and rewards.
 
-A run keeps the config it started with (another is refused, naming the differences). Policies are
+A run keeps the recipe it started with (another is refused, naming the differences; its placement may
+change between resumes, and each change is recorded). Policies are
 loaded once per process and their trainable state swapped per iteration: theta_0 is the base (the
 pretrained tiny model from the cache, or the pipeline as loaded, plus a seeded LoRA init), theta_t
 the state committed by update(t-1) — with LoRA only the adapter, never the base.
@@ -9,6 +10,7 @@ the state committed by update(t-1) — with LoRA only the adapter, never the bas
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,7 +19,7 @@ import torch
 from spotlight.config import Config, ConfigError, config_from_dict, fingerprint
 from spotlight.models.policy import DiffusionPolicy, build_policy
 from spotlight.rewards import Reward, RewardContext, WeightedReward, build_reward
-from spotlight.store import RunStore, json_bytes
+from spotlight.store import AlreadyExistsError, RunStore, json_bytes
 
 Progress = Callable[[str, int, int], None]
 CODE_VERSION = "1"  # bump when a cached stage's computation changes meaning
@@ -159,13 +161,16 @@ def check_inputs(cfg: Config) -> None:
     check_rewards(cfg)
 
 
-def open_run(cfg: Config, progress: Progress = no_progress) -> Run:
-    """Open (or start) the run at cfg's URL. A run keeps the config it started with: another is an error.
+def open_run(cfg: Config, progress: Progress = no_progress, computes: bool = True) -> Run:
+    """Open (or start) the run at cfg's URL. A run keeps the recipe it started with: another is an error.
+    Placement (where workers run) and evaluation.target may differ; a placement change is recorded.
 
     The store URL itself is not part of the comparison: a run may be opened from wherever its store is,
     and ``run.device: auto`` resolves per machine (same numbers for the same device type).
+    ``computes`` False: this process only reads and writes the store (the flow's controller, which
+    posts the GPU work to the workers), so ``run.device`` need not exist here.
     """
-    device = compute_device(cfg.run.device)
+    device = compute_device(cfg.run.device) if computes else torch.device("cpu")
     torch.set_num_threads(cfg.run.threads)
     if device.type == "cuda":
         # cuBLAS is deterministic only with a fixed workspace (must be set before its first call);
@@ -180,22 +185,58 @@ def open_run(cfg: Config, progress: Progress = no_progress) -> Run:
     if store.is_committed("config"):
         started = config_from_dict(store.load("config").json("config.json"), f"{store.url}/config")
         started = started.model_copy(update={"run": started.run.model_copy(update={"url": cfg.run_url})})
-        if started != cfg:
+        if started.recipe() != cfg.recipe():
             raise ConfigError(f"run {store.url} was started with another config; differences:\n"
-                              + config_diff(started.model_dump(), cfg.model_dump())
-                              + "\nuse another run.name/run.url, or the original config")
+                              + config_diff(started.recipe(), cfg.recipe())
+                              + "\nuse another run.name/run.url, or the original config "
+                              "(placement and evaluation.target may change between resumes)")
+        record_placement(store, started, cfg)
     else:
         store.commit("config", {"config.json": json_bytes(cfg.model_dump(mode="json"))})
     return Run(cfg, store, cache, progress, device)
 
 
+PLACEMENT_PREFIX = "placement"
+
+
+def placement_history(store: RunStore) -> list[dict[str, Any]]:
+    """The placement changes a run recorded, oldest first (``placement/NNNN.json``)."""
+    names = sorted(n for n in store.list(PLACEMENT_PREFIX) if n.endswith(".json") and n[:-5].isdigit())
+    return [store.get_json(f"{PLACEMENT_PREFIX}/{n}") for n in names]
+
+
+def current_placement(store: RunStore, committed: Config) -> dict[str, Any]:
+    """The placement a run uses now: the newest recorded change, else the one it started with."""
+    history = placement_history(store)
+    return history[-1]["placement"] if history else committed.placement.model_dump(mode="json")
+
+
+def record_placement(store: RunStore, started: Config, cfg: Config) -> None:
+    """A resumed run may move (other workers, GPUs, spot or not, leases): each change is recorded,
+    create-only, as ``placement/NNNN.json`` with what changed, so the store says where every part ran."""
+    now = cfg.placement.model_dump(mode="json")
+    while True:
+        history = placement_history(store)
+        before = history[-1]["placement"] if history else started.placement.model_dump(mode="json")
+        if before == now:
+            return
+        entry = {"placement": now, "changes": config_diff(before, now).splitlines(), "at": time.time()}
+        try:
+            store.create_bytes(f"{PLACEMENT_PREFIX}/{len(history) + 1:04d}.json", json_bytes(entry))
+            return
+        except AlreadyExistsError:  # another process recorded a change first: compare with it
+            continue
+
+
 def open_run_from_url(url: str, progress: Progress = no_progress) -> Run:
-    """Open an existing run from its store URL alone (workers, stage jobs): its committed config says the rest."""
+    """Open an existing run from its store URL alone (workers, stage jobs): its committed config says the
+    rest, with the placement it uses now (a resumed run may have changed it)."""
     store = RunStore(url)
     if not store.is_committed("config"):
         raise ConfigError(f"no run at {url}: it has no committed config (start it with `spotlight run`)")
     cfg = config_from_dict(store.load("config").json("config.json"), f"{url}/config")
-    return open_run(cfg.model_copy(update={"run": cfg.run.model_copy(update={"url": url})}), progress)
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"url": url})})
+    return open_run(cfg.with_placement(current_placement(store, cfg)), progress)
 
 
 def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:

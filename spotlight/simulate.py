@@ -30,7 +30,7 @@ The replay, per spot worker:
   so a preemption loses only the unit in flight, from its start.
 * The exploration is a pull-based queue. A free, booted explorer takes the next unit. A preempted
   unit returns to the queue at the moment of the preemption (the real queue waits for the lease
-  to expire, up to ``exploration.lease_seconds``; the model does not).
+  to expire, up to ``placement.lease_seconds``; the model does not).
 * Dollars accrue for every second a worker holds an instance (boots and idle waits included):
   spot workers at the spot price while held, the on-demand trainer for the whole run. Workers are
   long-lived: they are held until the target is reached.

@@ -89,12 +89,14 @@ def pretrain(run: Run) -> Commit | None:
 
 # -- explore / filter -------------------------------------------------------------------------
 @committed_stage(iteration_key("explore"))
-def explore(run: Run, t: int, key: str, inline: bool | None = None) -> Commit:
+def explore(run: Run, t: int, key: str, pool: bool = False, trainers_join: bool | str = False) -> Commit:
     """Candidate seeds (and, when exploring, their rewards) for iteration t's prompts.
 
     Mode ``none``: G random seeds per prompt, nothing rolled out. Otherwise the planner sizes the
     exploration, the work goes through the run's queue, and the explored table is committed.
-    ``inline``: this process explores too, alongside the workers (default: only if there are none).
+    ``pool``: the run's workers explore and this process (the flow's controller) only plans, waits and
+    gathers; ``trainers_join`` says when the trainers join the explorers (see
+    ``exploration.explore_queue``). Without a pool this process explores, alongside any workers.
     Who computed a unit never changes its result, so this changes timings, not numbers.
     """
     cfg, ec = run.cfg, run.cfg.exploration
@@ -106,14 +108,16 @@ def explore(run: Run, t: int, key: str, inline: bool | None = None) -> Commit:
     decision = plan_exploration(cfg, t, prompts, planner_state(run, t))
     seeds = exploration.candidate_seeds(cfg, t, decision["counts"])
     items = exploration.make_items(prompts, seeds, ec.seeds_per_batch)
-    inline = ec.workers == 0 if inline is None else inline
+    if pool and cfg.placement.explorer.workers == 0:
+        trainers_join = True  # no explorers: the trainers explore
     queue = exploration.queue_for(run, t)  # one object: its caches of items and results serve gather too
-    waited = exploration.explore_queue(run, t, queue, items, inline=inline)
+    waited = exploration.explore_queue(run, t, queue, items, inline=not pool, trainers_join=trainers_join)
     seeds, rewards, rollout_seconds = exploration.gather(queue, items)
-    explorers = ec.workers + (1 if inline and ec.workers else 0) or 1
+    explorers = (cfg.placement.explorer.workers if pool else 0) + \
+        (cfg.placement.trainer.workers if waited["trainers_joined"] else 0) + (0 if pool else 1)
     stats = {**waited, "rollout_seconds": rollout_seconds, "candidates": sum(map(len, seeds)),
              "policy_iteration": exploration.policy_iteration(cfg, t), "explorers": explorers,
-             "worker_utilisation": rollout_seconds / max(waited["wall_seconds"], 1e-9) / explorers}
+             "worker_utilisation": rollout_seconds / max(waited["wall_seconds"], 1e-9) / max(explorers, 1)}
     table = {"prompts": prompts, "seeds": seeds, "rewards": rewards}
     return run.store.commit(key, {"explored.json": json_bytes(table), "plan.json": json_bytes(decision),
                                   "stats.json": json_bytes(stats)}, {"mode": ec.mode})
@@ -195,7 +199,7 @@ def update(run: Run, t: int, key: str) -> Commit:
     advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten().to(run.device)
     cond, uncond = encode_conditioning(policy, prompts, sc.guidance, sc.negative_prompt)
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(run.device))
-    # Under `accelerate launch` (sky/update.yaml, several GPUs or nodes) the transformer is wrapped in
+    # Under `accelerate launch` (sky/trainer.yaml on several GPUs or nodes) the transformer is wrapped in
     # DDP and every rank trains on its share of each minibatch; in one process this changes nothing.
     accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
     if accelerator is not None:

@@ -156,6 +156,28 @@ class WorkQueue:
         except AlreadyExistsError:
             pass
 
+    def release_stale(self, worker: str) -> list[str]:
+        """Release the items whose newest lease ``worker`` holds: called by a worker as it starts, so the
+        leases of its previous life (the same name across a SkyPilot recovery, or a relaunched local
+        process) free their items at once instead of after the lease expires. If that previous life is
+        somehow still running, its next renewal finds the release and it stops (LeaseLostError)."""
+        released = []
+        done = self._done()
+        for item in self.items():
+            if item["id"] in done:
+                continue
+            names = self._lease_names(item["id"])
+            if not names:
+                continue
+            epoch = max(e for e, _ in names)
+            if (epoch, "released") in names:
+                continue
+            holder = self.store.get_json(self._lease_key(item["id"], epoch, 0))["worker"]
+            if holder == worker:
+                self.release(Claim(item, worker, epoch, 0.0))
+                released.append(item["id"])
+        return released
+
     def _check_held(self, claim: Claim) -> None:
         names = self._lease_names(claim.item_id)
         newer = [e for e, _ in names if e > claim.epoch]

@@ -52,8 +52,20 @@ def cost_so_far(store: RunStore) -> str:
     return f"${total:.4f}"
 
 
+def cost_of_iteration(store: RunStore, iteration: int) -> str:
+    """Dollars the ledger holds for one iteration (its stage attempts, failed ones included, and the
+    workers' idle time before them), or "n/a" when the run has no ledger."""
+    if not store.list(_cost.PREFIX):
+        return NA
+    try:
+        return f"${_cost.by_iteration(_cost.ledger(store)).get(iteration, 0.0):.4f}"
+    except Exception as e:  # an artifact must never fail training
+        get_run_logger().warning("cost ledger of %s unreadable (%s: %s)", store.url, type(e).__name__, e)
+        return NA
+
+
 def iteration_row(iteration: int, update_metrics: dict[str, Any], eval_metrics: dict[str, Any] | None,
-                  cost: str) -> dict[str, Any]:
+                  cost: str, iteration_cost: str = NA) -> dict[str, Any]:
     """One table row: rewards, the group statistics GRPO learns from, exploration stats, cost so far."""
     row: dict[str, Any] = {
         "iteration": iteration,
@@ -64,6 +76,7 @@ def iteration_row(iteration: int, update_metrics: dict[str, Any], eval_metrics: 
     }
     row.update({k.replace("_", " "): _fmt(v) for k, v in sorted(update_metrics.items()) if k.startswith(EXPLORATION)})
     row["update seconds"] = _fmt(update_metrics.get("seconds"))
+    row["cost of iteration"] = iteration_cost
     row["cost so far"] = cost
     return row
 
@@ -73,7 +86,9 @@ def publish_iteration(config: dict[str, Any], iteration: int, update_metrics: di
     """Publish the iteration table (all iterations of this flow run so far) as a new artifact version."""
     rows = _rows[(flow_run.id, config["run"]["name"])]
     rows[:] = [r for r in rows if r["iteration"] != iteration]  # a retried iteration replaces its row
-    rows.append(iteration_row(iteration, update_metrics, eval_metrics, cost_so_far(open_run(config).store)))
+    store = open_run(config).store
+    rows.append(iteration_row(iteration, update_metrics, eval_metrics, cost_so_far(store),
+                              cost_of_iteration(store, iteration)))
     create_table_artifact(
         key=artifact_key(config, "iterations"), table=sorted(rows, key=lambda r: r["iteration"]),
         description=f"Per-iteration metrics of run `{config['run']['name']}` (held-out reward: of the policy "
@@ -96,8 +111,13 @@ def run_markdown(config: dict[str, Any], summary: dict[str, Any], store: RunStor
     if len(evals) >= 2:
         lines.append(f"| held-out reward | {evals[0][1]:.4f} (iteration {evals[0][0]}) -> "
                      f"{evals[-1][1]:.4f} (iteration {evals[-1][0]}) |")
-    lines += [f"| cost | {cost_so_far(store)} |", "",
-              "## Reward curve", "", _image(store, summary["reward_curve"], "reward curve"), ""]
+    lines.append(f"| cost | {cost_so_far(store)} |")
+    if summary.get("target") is not None:
+        hit = summary.get("target_reached")
+        lines.append(f"| cost to held-out reward {summary['target']:g} | " + (
+            f"${hit['cost_usd']:.4f} and {hit['seconds']:.0f} s (theta_{hit['iteration']}: {hit['eval_reward']:.4f}) |"
+            if hit else "not reached |"))
+    lines += [""] + cost_markdown(summary) + ["## Reward curve", "", _image(store, summary["reward_curve"], "reward curve"), ""]
     if evals:
         lines += [f"## Samples: iteration {evals[0][0]} (left) and {evals[-1][0]} (right), one row per digit", "",
                   _image(store, summary["samples"], "samples before and after"), ""]
@@ -106,6 +126,20 @@ def run_markdown(config: dict[str, Any], summary: dict[str, Any], store: RunStor
         lines.append(f"- before/after sample grid: `{summary['samples']}`")
     lines += [f"- sample grid of iteration {t}: `{store.url}/evaluations/{t:04d}/samples.safetensors`" for t, _ in evals]
     return "\n".join(lines) + "\n"
+
+
+def cost_markdown(summary: dict[str, Any]) -> list[str]:
+    """Cost per stage and per iteration from the summary's ledger figures (none: no lines)."""
+    stages, iterations = summary.get("cost_by_stage") or {}, summary.get("cost_by_iteration") or []
+    if not stages:
+        return []
+    lines = ["## Cost per stage", "", "| stage | attempts | failed or preempted | seconds | $ |", "|---|---|---|---|---|"]
+    lines += [f"| {stage} | {int(r['attempts'])} | {int(r['not_ok'])} | {r['seconds']:.1f} | {r['cost_usd']:.4f} |"
+              for stage, r in sorted(stages.items())]
+    lines += ["", "idle: workers held but waiting (boots included).", "", "## Cost per iteration", "",
+              "| iteration | $ |", "|---|---|"]
+    lines += [f"| {'none (boots, idle tails)' if it is None else it} | {usd:.4f} |" for it, usd in iterations]
+    return lines + [""]
 
 
 def publish_run(config: dict[str, Any], summary: dict[str, Any]) -> None:

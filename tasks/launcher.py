@@ -1,43 +1,42 @@
-"""Run a stage in-process (the embedded default) or as a SkyPilot managed job on spot GPUs.
+"""The worker pool's launcher: each long-lived worker as a SkyPilot managed job (``SPOTLIGHT_LAUNCHER=sky``).
 
-Choose with ``SPOTLIGHT_LAUNCHER=local|sky`` (``launcher_from_env``). In sky mode a stage is the
-task in ``sky/<stage yaml>``, launched with ``sky.jobs.launch`` under a deterministic name (run +
-stage + iteration) and waited on through SkyPilot's jobs API:
+A worker of a kind (``trainer``, ``explorer``) is the task in ``sky/<kind>.yaml`` with its resources
+taken from the run's ``placement`` (accelerators as ``any_of``, spot or on-demand, CPUs, memory, disk),
+launched with ``sky.jobs.launch`` under a deterministic name (run + kind + index) so a restarted
+controller finds its workers instead of starting more:
 
-* A Prefect retry never starts a duplicate: the launcher looks the name up first; a running job
-  is waited on, a succeeded one returned at once; only a failed/cancelled (or absent) one is
-  launched again (stages are idempotent, so a relaunch resumes from the last commit).
-* A failed job raises ``SkyJobFailed`` with its status, failure reason and the tail of its log.
-* Interrupting the wait (Ctrl-C, Prefect cancellation/termination, any BaseException) cancels the
-  job by name before re-raising. Flows can also attach ``on_flow_cancellation`` as Prefect's
-  ``on_cancellation`` hook, which cancels every active job of the run (for cancellations that
-  kill the flow process before it can react).
+* ``start`` launches a worker unless a job of that name is active (then it is the worker);
+* the pool (``tasks/workers.py``) relaunches a worker whose job ended while the run still needs it,
+  and gives up (naming the job, its status, failure reason and log tail) after
+  ``placement.max_relaunches``; SkyPilot's own ``job_recovery`` handles preemptions in between, so a
+  preemption is a recovery of the same job, not a launch;
+* ``cancel_run`` cancels every active job of the run (also Prefect's ``on_flow_cancellation`` hook).
 
-Every call into SkyPilot's jobs API goes through ``SkyJobs``: the one seam tests replace.
+Every call into SkyPilot's jobs API goes through ``SkyJobs``: the one seam tests replace. Its records
+carry the job's resources (cloud, region, zone, instance type, spot), which price the cost ledger.
+``SPOTLIGHT_SKY_JOBS=module:attribute`` names another implementation of the seam (the tests' emulated
+cluster runs each job as a local process of its ``run:`` command).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import re
-import shutil
-import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Mapping
 
 import yaml
 
-from spotlight.config import config_from_dict, load_config
-from tasks.placement import SKY_DIR, STAGE_YAMLS
+from spotlight.config import Config, WorkerKindSection, config_from_dict, load_config
+from tasks.placement import SKY_DIR, WORKER_YAMLS
 
-T = TypeVar("T")
 SUCCEEDED, CANCELLED, CANCELLING = "SUCCEEDED", "CANCELLED", "CANCELLING"
 FAILED = frozenset({"FAILED", "FAILED_SETUP", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE", "FAILED_CONTROLLER"})
-ACTIVE = frozenset({"PENDING", "SUBMITTED", "STARTING", "RUNNING", "RECOVERING", "WINDING_DOWN"})
-REMOTE_CONFIG = "/tmp/spotlight/config.yaml"  # where the run's config is mounted in the job
+ACTIVE = frozenset({"PENDING", "SUBMITTED", "STARTING", "RUNNING", "RECOVERING", "WINDING_DOWN", CANCELLING})
+TERMINAL = FAILED | {SUCCEEDED, CANCELLED}
 REQUIRED_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
@@ -63,6 +62,21 @@ class SkyJobFailed(RuntimeError):
             f"--- last lines of its log ---\n{log_tail.rstrip() or '(no log)'}")
 
 
+def parse_resources(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A job record's resources as the ledger prices them: cloud, region, zone, instance type, accelerators,
+    spot. SkyPilot's ``cluster_resources_full`` reads like ``[spot](gpus=L4:1, cpus=4, mem=16, g6.xlarge, disk=100)``."""
+    cloud = record.get("cloud")
+    if not cloud or cloud == "-":
+        return None
+    full = str(record.get("cluster_resources_full") or record.get("cluster_resources") or "")
+    inside = full[full.find("(") + 1: full.rfind(")")] if "(" in full else ""
+    plain = [p.strip() for p in inside.split(",") if p.strip() and "=" not in p and p.strip() != "..."]
+    accelerators = record.get("accelerators") or {}
+    return {"cloud": str(cloud), "region": record.get("region"), "zone": record.get("zone"),
+            "instance_type": plain[0] if plain else None, "accelerators": dict(accelerators),
+            "use_spot": full.startswith("[spot]")}
+
+
 class SkyJobs:
     """The seam: SkyPilot's managed-jobs API, and nothing else. Records come back as plain dicts."""
 
@@ -75,7 +89,8 @@ class SkyJobs:
         return int(job_ids[0])
 
     def queue(self, name_match: str) -> list[dict[str, Any]]:
-        """Jobs whose name contains ``name_match`` (SkyPilot matches substrings; callers filter)."""
+        """Jobs whose name contains ``name_match`` (SkyPilot matches substrings; callers filter), with the
+        resources each got (``resources``: None before it has a cluster)."""
         import sky
 
         records = sky.get(sky.jobs.queue_v2(refresh=False, name_match=name_match))[0]
@@ -85,7 +100,7 @@ class SkyJobs:
             status = r.get("status")
             out.append({"job_id": r.get("job_id"), "job_name": r.get("job_name"),
                         "status": getattr(status, "value", status), "recovery_count": r.get("recovery_count"),
-                        "failure_reason": r.get("failure_reason")})
+                        "failure_reason": r.get("failure_reason"), "resources": parse_resources(r)})
         return out
 
     def cancel(self, name: str) -> None:
@@ -103,9 +118,9 @@ class SkyJobs:
         return buf.getvalue()
 
 
-def job_name(run_url: str, stage: str, iteration: int) -> str:
-    """Deterministic managed-job name: the same stage of the same run always has the same name."""
-    return f"{run_prefix(run_url)}{stage}-{iteration:04d}"
+def job_name(run_url: str, kind: str, index: int) -> str:
+    """Deterministic managed-job name: the same worker of the same run always has the same name."""
+    return f"{run_prefix(run_url)}{kind}-{index:04d}"
 
 
 def run_prefix(run_url: str) -> str:
@@ -114,23 +129,43 @@ def run_prefix(run_url: str) -> str:
     return f"spotlight-{slug}-{hashlib.sha256(run_url.rstrip('/').encode()).hexdigest()[:6]}-"
 
 
-class InProcess:
-    """The embedded default: the stage function runs here and its result is returned."""
+def placement_resources(template: Mapping[str, Any], kind: WorkerKindSection) -> dict[str, Any]:
+    """A task YAML's ``resources`` with what placement says for the kind: accelerators (several become
+    ``any_of``), spot or on-demand, cpus, memory, disk; the rest (``job_recovery``) is the YAML's."""
+    out = {k: v for k, v in template.items()
+           if k not in ("any_of", "ordered", "accelerators", "use_spot", "cpus", "memory", "disk_size")}
+    out.update(use_spot=kind.use_spot, disk_size=kind.disk_size)
+    if kind.cpus:
+        out["cpus"] = kind.cpus
+    if kind.memory:
+        out["memory"] = kind.memory
+    if len(kind.accelerators) == 1:
+        out["accelerators"] = kind.accelerators[0]
+    else:
+        out["any_of"] = [{"accelerators": a} for a in kind.accelerators]
+    return out
 
-    def run_stage(self, stage: str, iteration: int, config: dict[str, Any], local: Callable[[], T]) -> T:
-        return local()
+
+def worker_task_config(kind: str, cfg: Config, sky_dir: Path = SKY_DIR) -> dict[str, Any]:
+    """The worker YAML of a kind as a dict, its resources replaced by the run's placement."""
+    raw = yaml.safe_load((Path(sky_dir) / WORKER_YAMLS[kind]).read_text())
+    raw["resources"] = placement_resources(raw.get("resources") or {}, getattr(cfg.placement, kind))
+    return raw
+
+
+class LocalLauncher:
+    """The embedded default: workers are processes on this machine (``tasks/workers.py``)."""
 
 
 class SkyLauncher:
-    """Stages as SkyPilot managed jobs; returns the job record once it SUCCEEDED (read results from the store)."""
+    """Workers as SkyPilot managed jobs (read everything they do from the store)."""
 
     def __init__(self, jobs: SkyJobs | None = None, sky_dir: Path = SKY_DIR, poll_seconds: float = 15.0,
-                 log_tail_lines: int = 40, num_nodes: int | None = None,
-                 environ: Mapping[str, str] | None = None):
+                 log_tail_lines: int = 40, environ: Mapping[str, str] | None = None):
         self.jobs = jobs or SkyJobs()
         self.sky_dir, self.poll_seconds, self.log_tail_lines = Path(sky_dir), poll_seconds, log_tail_lines
-        self.num_nodes = num_nodes
         self.environ = os.environ if environ is None else environ
+        self.launched: list[str] = []  # job names this launcher launched, in order (relaunches included)
 
     # -- what to launch ------------------------------------------------------------------------
     def secrets(self) -> dict[str, str]:
@@ -142,7 +177,7 @@ class SkyLauncher:
 
             creds = botocore.session.get_session().get_credentials()
             if creds is None:
-                raise RuntimeError("launching a stage on SkyPilot needs AWS credentials for the run store "
+                raise RuntimeError("launching a worker on SkyPilot needs AWS credentials for the run store "
                                    f"({' and '.join(REQUIRED_SECRETS)} in the environment, or ~/.aws); none found")
             frozen = creds.get_frozen_credentials()
             values.update(AWS_ACCESS_KEY_ID=frozen.access_key, AWS_SECRET_ACCESS_KEY=frozen.secret_key)
@@ -150,111 +185,69 @@ class SkyLauncher:
                 values["AWS_SESSION_TOKEN"] = frozen.token
         return values
 
-    def build_task(self, stage: str, iteration: int, config: dict[str, Any], config_file: Path) -> Any:
-        """The stage's task YAML with the run's envs, config file mount and secrets filled in."""
+    def build_task(self, kind: str, index: int, config: dict[str, Any]) -> Any:
+        """The kind's worker task: its YAML, resources from placement, the run's envs and the secrets,
+        parsed by SkyPilot itself (``sky.Task.from_yaml_config``, as ``sky jobs launch`` does)."""
         import sky
 
         cfg = config_from_dict(config)
         if not cfg.run_url.startswith(("s3://", "gs://", "r2://")):
-            raise ValueError(f"stage {stage} on SkyPilot needs a bucket run store (s3://...), but the run is "
+            raise ValueError(f"a {kind} on SkyPilot needs a bucket run store (s3://...), but the run is "
                              f"{cfg.run_url}: a cloud VM cannot see this machine's disk")
-        config_file.write_text(yaml.safe_dump(config, sort_keys=True))
-        raw = yaml.safe_load((self.sky_dir / STAGE_YAMLS[stage]).read_text())
-        envs = {"RUN_URL": cfg.run_url, "ITERATION": str(iteration), "CONFIG": REMOTE_CONFIG}
+        raw = worker_task_config(kind, cfg, self.sky_dir)
+        envs = {"RUN_URL": cfg.run_url, "SPOTLIGHT_SLOT": job_name(cfg.run_url, kind, index),
+                "IDLE_EXIT": f"{cfg.placement.idle_exit_seconds:g}"}
         # As `sky jobs launch --env K=V --secret K` does: overrides go in before SkyPilot turns
         # null-valued secrets into managed-secret references.
         task = sky.Task.from_yaml_config(
             raw, env_overrides=[(k, v) for k, v in envs.items() if k in (raw.get("envs") or {})],
             secrets_overrides=list(self.secrets().items()))
-        missing = [k for k, v in task.envs.items() if v == "" and k in ("RUN_URL", "ITERATION")]
+        missing = [k for k, v in task.envs.items() if v == "" and k == "RUN_URL"]
         if missing:
-            raise ValueError(f"{STAGE_YAMLS[stage]}: required envs {missing} are not set by the launcher")
-        task.update_file_mounts({REMOTE_CONFIG: str(config_file)})
+            raise ValueError(f"{WORKER_YAMLS[kind]}: required envs {missing} are not set by the launcher")
         if task.workdir == ".":
             task.workdir = str(self.sky_dir.parent)
-        if self.num_nodes is not None and stage == "update":
-            task.num_nodes = self.num_nodes
         return task
 
-    # -- launching and waiting -----------------------------------------------------------------
-    def latest(self, name: str) -> dict[str, Any] | None:
+    # -- launching -----------------------------------------------------------------------------
+    def latest(self, name: str, records: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
         """The newest job with exactly this name (SkyPilot's name filter matches substrings)."""
-        mine = [r for r in self.jobs.queue(name) if r["job_name"] == name]
+        mine = [r for r in (self.jobs.queue(name) if records is None else records) if r["job_name"] == name]
         return max(mine, key=lambda r: r["job_id"]) if mine else None
 
-    def run_stage(self, stage: str, iteration: int, config: dict[str, Any],
-                  local: Callable[[], T] | None = None) -> dict[str, Any]:
-        """Launch (or find) the stage's job and wait for it; ``local`` is ignored (InProcess's signature)."""
-        name, job_id = self.start(stage, iteration, config)
-        if job_id is None:
-            return self.latest(name)
-        try:
-            return self.wait(name, job_id)
-        except SkyJobFailed:
-            raise
-        except BaseException:  # Ctrl-C, Prefect cancellation/termination, API errors: do not leave it running
-            self._cancel_after_interrupt(name)
-            raise
-
-    def start(self, stage: str, iteration: int, config: dict[str, Any]) -> tuple[str, int | None]:
-        """Launch the stage's job unless one of that name is active (returns its id) or succeeded (None).
-
-        ``iteration`` names the job: the iteration for a stage, the worker index for exploration workers.
-        """
-        if stage not in STAGE_YAMLS:
-            raise ValueError(f"no SkyPilot task for stage {stage!r}; stages with one: {', '.join(STAGE_YAMLS)}")
+    def start(self, kind: str, index: int, config: dict[str, Any], relaunch: bool = False) -> tuple[str, int]:
+        """Launch the worker's job unless one of that name is active (returns its id either way).
+        ``relaunch``: the pool saw the previous job end while the run needs the worker."""
+        if kind not in WORKER_YAMLS:
+            raise ValueError(f"no SkyPilot task for worker kind {kind!r}; kinds: {', '.join(WORKER_YAMLS)}")
         log = _logger()
-        name = job_name(config_from_dict(config).run_url, stage, iteration)
+        name = job_name(config_from_dict(config).run_url, kind, index)
         existing = self.latest(name)
-        if existing is not None and existing["status"] == SUCCEEDED:
-            log.info("managed job %s (id %s) already succeeded; not launching again", name, existing["job_id"])
-            return name, None
         if existing is not None and existing["status"] in ACTIVE:
-            log.info("managed job %s (id %s) is %s; waiting on it instead of launching a duplicate",
-                     name, existing["job_id"], existing["status"])
+            log.info("managed job %s (id %s) is %s: it is the %s, not launching another",
+                     name, existing["job_id"], existing["status"], kind)
             return name, existing["job_id"]
-        tmp = Path(tempfile.mkdtemp(prefix="spotlight-launch-"))
+        task = self.build_task(kind, index, config)  # errors here launch nothing
         try:
-            task = self.build_task(stage, iteration, config, tmp / "config.yaml")  # errors here launch nothing
-            try:
-                job_id = self.jobs.launch(task, name)
-            except BaseException:
-                self._cancel_after_interrupt(name)  # it may have been submitted before the interrupt
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        log.info("launched managed job %s (id %s): stage %s iteration %d, envs %s, secrets %s "
-                 "(values not shown); SKYPILOT_TASK_ID keys its resume across spot recoveries",
-                 name, job_id, stage, iteration, task.envs, sorted(task.secrets))
+            job_id = self.jobs.launch(task, name)
+        except BaseException:
+            _logger().warning("interrupted while launching %s; cancelling the managed job", name)
+            self.jobs.cancel(name)  # it may have been submitted before the interrupt
+            raise
+        self.launched.append(name)
+        log.info("%s managed job %s (id %s): a %s, resources %s, secrets %s (values not shown); "
+                 "SKYPILOT_TASK_ID names it across spot recoveries", "relaunched" if relaunch else "launched",
+                 name, job_id, kind, [str(r) for r in task.resources], sorted(task.secrets))
         return name, job_id
 
-    def _cancel_after_interrupt(self, name: str) -> None:
-        _logger().warning("interrupted while running %s; cancelling the managed job", name)
-        self.jobs.cancel(name)
-
-    def wait(self, name: str, job_id: int) -> dict[str, Any]:
-        """Poll until the job is terminal: the record on SUCCEEDED, else SkyJobFailed with its log tail."""
-        log, last = _logger(), None
-        while True:
-            record = next((r for r in self.jobs.queue(name) if r["job_id"] == job_id), None)
-            if record is None:
-                raise SkyJobFailed(name, {"job_id": job_id, "status": "MISSING",
-                                          "failure_reason": "the job vanished from SkyPilot's queue"}, "")
-            if record["status"] != last:
-                last = record["status"]
-                log.info("managed job %s (id %s): %s (recoveries: %s)", name, job_id, last,
-                         record.get("recovery_count") or 0)
-            if record["status"] == SUCCEEDED:
-                return record
-            if record["status"] in FAILED or record["status"] == CANCELLED:
-                raise SkyJobFailed(name, record, self._redact(self.jobs.logs(job_id, self.log_tail_lines)))
-            time.sleep(self.poll_seconds)
+    def failure(self, name: str, record: Mapping[str, Any]) -> SkyJobFailed:
+        return SkyJobFailed(name, record, self._redact(self.jobs.logs(record["job_id"], self.log_tail_lines)))
 
     def cancel_run(self, run_url: str) -> list[str]:
         """Cancel every active managed job of a run (names with the run's prefix); returns their names."""
         prefix = run_prefix(run_url)
         names = sorted({r["job_name"] for r in self.jobs.queue(prefix)
-                        if r["job_name"].startswith(prefix) and r["status"] in ACTIVE})
+                        if r["job_name"].startswith(prefix) and r["status"] in ACTIVE - {CANCELLING}})
         for name in names:
             self.jobs.cancel(name)
         return names
@@ -268,21 +261,35 @@ class SkyLauncher:
         return text
 
 
-def launcher_from_env(environ: Mapping[str, str] | None = None) -> InProcess | SkyLauncher:
-    """``SPOTLIGHT_LAUNCHER=sky`` -> SkyLauncher; unset or ``local`` -> InProcess."""
-    kind = (environ if environ is not None else os.environ).get("SPOTLIGHT_LAUNCHER", "local")
+def sky_jobs_from_env(environ: Mapping[str, str] | None = None) -> SkyJobs:
+    """SkyPilot's jobs API, or the implementation ``SPOTLIGHT_SKY_JOBS=module:attribute`` names."""
+    spec = (environ if environ is not None else os.environ).get("SPOTLIGHT_SKY_JOBS")
+    if not spec:
+        return SkyJobs()
+    module, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"SPOTLIGHT_SKY_JOBS={spec!r}: expected module:attribute")
+    return getattr(importlib.import_module(module), attr)()
+
+
+def launcher_from_env(environ: Mapping[str, str] | None = None) -> LocalLauncher | SkyLauncher:
+    """``SPOTLIGHT_LAUNCHER=sky`` -> SkyLauncher; unset or ``local`` -> LocalLauncher."""
+    env = environ if environ is not None else os.environ
+    kind = env.get("SPOTLIGHT_LAUNCHER", "local")
     if kind == "local":
-        return InProcess()
+        return LocalLauncher()
     if kind == "sky":
-        return SkyLauncher()
+        poll = float(env.get("SPOTLIGHT_POOL_POLL_SECONDS", "15"))
+        return SkyLauncher(jobs=sky_jobs_from_env(env), poll_seconds=poll)
     raise ValueError(f"SPOTLIGHT_LAUNCHER={kind!r}: expected 'local' or 'sky'")
 
 
 def on_flow_cancellation(flow: Any, flow_run: Any, state: Any) -> None:
     """Prefect ``on_cancellation`` hook for the post-training flow: cancel the run's managed jobs."""
-    if not isinstance(launcher_from_env(), SkyLauncher):
+    launcher = launcher_from_env()
+    if not isinstance(launcher, SkyLauncher):
         return
     params = flow_run.parameters
     cfg = load_config(params.get("config_path", "configs/tiny.yaml"), params.get("overrides"), params.get("run_url"))
-    names = SkyLauncher().cancel_run(cfg.run_url)
+    names = launcher.cancel_run(cfg.run_url)
     logging.getLogger(__name__).warning("flow cancelled: cancelled managed jobs %s", names)

@@ -32,16 +32,16 @@ CATALOG_DIR = SKY_DIR / "catalog"  # holds v8/<cloud>/vms.csv, v8/common/acceler
 CATALOG_CLOUDS = ("AWS", "GCP", "Azure", "Lambda")
 CATALOG_VERSION = "v8"
 
-# Which stage each GPU YAML runs, and the hours per iteration `plan` assumes without a ledger:
+# The YAML of each worker kind, and the busy hours per iteration `plan` assumes without a ledger:
 # a GPU-sized run (SD3.5-M class policy, 8 prompts x 8 rollouts) spends about half an hour per
-# update and a quarter hour of worker time per exploration shard set.
-STAGE_YAMLS = {"explore": "explore_worker.yaml", "update": "update.yaml"}
-DEFAULT_STAGE_HOURS = {"explore": 0.25, "update": 0.5}
+# update on the trainer and a quarter hour of explorer time per exploration.
+WORKER_YAMLS = {"explorer": "explorer.yaml", "trainer": "trainer.yaml"}
+DEFAULT_KIND_HOURS = {"explorer": 0.25, "trainer": 0.5}
 
 # Envs each task must declare (the launcher fills them); every task needs the run store.
 REQUIRED_ENVS = {
-    "spotlight-explore-worker": ("RUN_URL",),
-    "spotlight-update": ("RUN_URL", "ITERATION", "CONFIG"),
+    "spotlight-explorer": ("RUN_URL", "SPOTLIGHT_SLOT", "IDLE_EXIT"),
+    "spotlight-trainer": ("RUN_URL", "SPOTLIGHT_SLOT", "IDLE_EXIT"),
     "spotlight-controller": ("RUN_URL", "CONFIG"),
 }
 REQUIRED_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -190,6 +190,8 @@ def _optimize(out: str, yaml_paths: list[str]) -> None:
 # -- the plan ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StagePlan:
+    """One worker kind's offers and dollars per iteration (``stage`` is the kind: trainer, explorer)."""
+
     stage: str
     yaml: str
     hours_per_iteration: float
@@ -210,27 +212,37 @@ class StagePlan:
         return self.hours_per_iteration * self.on_demand.price_per_hour
 
 
-def plan(run_url: str | None = None, catalog_dir: Path = CATALOG_DIR, sky_dir: Path = SKY_DIR) -> list[StagePlan]:
-    """Cheapest spot and on-demand offers per stage YAML, and dollars per iteration.
+def plan(run_url: str | None = None, catalog_dir: Path = CATALOG_DIR, sky_dir: Path = SKY_DIR,
+         config: Any = None) -> list[StagePlan]:
+    """Cheapest spot and on-demand offers per worker kind, and dollars per iteration.
 
-    Hours per iteration come from the run's cost ledger when ``run_url`` is given (mean over its
-    iterations, all attempts included), else from ``DEFAULT_STAGE_HOURS``.
+    Busy hours per iteration come from the run's cost ledger when ``run_url`` is given (mean over its
+    iterations, all attempts included, by the kind that did the work), else from ``DEFAULT_KIND_HOURS``.
+    ``config``: a run config whose placement replaces the YAMLs' resources, as the launcher does.
     """
-    hours, source = dict(DEFAULT_STAGE_HOURS), {s: "default" for s in DEFAULT_STAGE_HOURS}
+    hours, source = dict(DEFAULT_KIND_HOURS), {s: "default" for s in DEFAULT_KIND_HOURS}
     if run_url:
-        from spotlight.cost import ledger, stage_hours_per_iteration
+        from spotlight.cost import kind_hours_per_iteration, ledger
         from spotlight.store import RunStore
 
-        measured = stage_hours_per_iteration(ledger(RunStore(run_url)))
-        for stage in STAGE_YAMLS:
-            if stage in measured:
-                hours[stage], source[stage] = measured[stage], f"ledger of {run_url}"
-    paths = {stage: Path(sky_dir) / name for stage, name in STAGE_YAMLS.items()}
+        measured = kind_hours_per_iteration(ledger(RunStore(run_url)))
+        for kind in WORKER_YAMLS:
+            if kind in measured:
+                hours[kind], source[kind] = measured[kind], f"ledger of {run_url}"
+    paths = {kind: Path(sky_dir) / name for kind, name in WORKER_YAMLS.items()}
     for p in paths.values():
         check_task_yaml(p, catalog_dir)
-    offers = cheapest_offers(list(paths.values()), catalog_dir)
-    return [StagePlan(stage, str(p), hours[stage], source[stage], offers[str(p)]["spot"], offers[str(p)]["on_demand"])
-            for stage, p in paths.items()]
+    with tempfile.TemporaryDirectory(prefix="spotlight-plan-") as tmp:
+        if config is not None:  # the placement's resources, in a copy of each YAML
+            from tasks.launcher import worker_task_config
+
+            for kind in paths:
+                paths[kind] = Path(tmp) / WORKER_YAMLS[kind]
+                paths[kind].write_text(yaml.safe_dump(worker_task_config(kind, config, sky_dir), sort_keys=False))
+        offers = cheapest_offers(list(paths.values()), catalog_dir)
+    return [StagePlan(kind, str(Path(sky_dir) / WORKER_YAMLS[kind]), hours[kind], source[kind],
+                      offers[str(p)]["spot"], offers[str(p)]["on_demand"])
+            for kind, p in paths.items()]
 
 
 def format_plan(plans: list[StagePlan]) -> str:
@@ -238,7 +250,7 @@ def format_plan(plans: list[StagePlan]) -> str:
     lines = []
     for p in plans:
         lines += [
-            f"stage {p.stage} ({p.yaml}): {p.hours_per_iteration:.3f} h per iteration ({p.hours_source})",
+            f"{p.stage} ({p.yaml}): {p.hours_per_iteration:.3f} h per iteration ({p.hours_source})",
             f"  spot       {p.spot.describe():<52} ${p.spot.price_per_hour:>8.4f}/h  "
             f"${p.spot_per_iteration:>8.4f}/iteration",
             f"  on-demand  {p.on_demand.describe():<52} ${p.on_demand.price_per_hour:>8.4f}/h  "

@@ -1,44 +1,76 @@
-"""Exploration workers for a run: ``spotlight worker`` processes beside the flow (embedded default),
-or SkyPilot spot jobs running the same command (sky/explore_worker.yaml) when SPOTLIGHT_LAUNCHER=sky.
+"""The run's worker pool for the duration of a flow: long-lived trainers and explorers.
+
+Embedded default: ``spotlight worker`` processes on this machine (``LocalPool``). Cloud
+(``SPOTLIGHT_LAUNCHER=sky``): the same command as SkyPilot managed jobs, one per worker, with the
+resources of the run's placement (``SkyPool``, through ``tasks.launcher.SkyLauncher``). Either way a
+keeper thread holds the pool at its configured size while the flow runs: a worker whose process or
+job ended is started again (a preemption in the cloud is SkyPilot's recovery of the same job, not a
+new launch), and after ``placement.max_relaunches`` failures the pool is marked broken in the store,
+so every waiting stage fails naming the worker and why instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
+from spotlight import stage_queue
 from spotlight.config import Config
-from tasks.launcher import SkyLauncher, launcher_from_env
+from spotlight.store import RunStore
+from tasks.launcher import SUCCEEDED, TERMINAL, SkyLauncher, launcher_from_env, run_prefix
 
 PR_SET_PDEATHSIG = 1
+log = logging.getLogger(__name__)
+
+
+def worker_slots(cfg: Config) -> list[tuple[str, int]]:
+    """(kind, index) of every worker the run wants: trainers always, explorers unless mode ``none``."""
+    explorers = cfg.placement.explorer.workers if cfg.exploration.mode != "none" else 0
+    return [("trainer", i) for i in range(cfg.placement.trainer.workers)] + [("explorer", i) for i in range(explorers)]
 
 
 @contextmanager
-def exploration_workers(cfg: Config) -> Iterator[None]:
-    """The run's exploration workers for the duration of the flow; none in mode ``none``."""
-    launcher = launcher_from_env()
-    n = cfg.exploration.workers if cfg.exploration.mode != "none" else 0
-    if not isinstance(launcher, SkyLauncher):
-        with local_workers(cfg):
-            yield
-        return
-    config = cfg.model_dump(mode="json")
-    names = [launcher.start("explore", i, config)[0] for i in range(n)]
+def worker_pool(cfg: Config, launcher: Any = None) -> Iterator["LocalPool | SkyPool"]:
+    """Start the run's workers, keep them while the flow runs, then tell them the run is over."""
+    launcher = launcher if launcher is not None else launcher_from_env()
+    pool: LocalPool | SkyPool = SkyPool(cfg, launcher) if isinstance(launcher, SkyLauncher) else LocalPool(cfg)
+    stage_queue.reset_pool(pool.store)
+    stop = threading.Event()
+    keeper = threading.Thread(target=_keep, args=(pool, stop), name="worker-pool", daemon=True)
     try:
-        yield
+        pool.start()
+        keeper.start()
+        yield pool
     finally:
-        for name in names:  # workers exit by themselves when idle; cancel the ones still waiting
-            launcher.jobs.cancel(name)
+        stop.set()
+        if keeper.is_alive():
+            keeper.join()
+        stage_queue.mark_pool_done(pool.store, "the flow is over")
+        pool.close()
 
 
+def _keep(pool: "LocalPool | SkyPool", stop: threading.Event) -> None:
+    while not stop.wait(pool.poll_seconds):
+        try:
+            pool.keep()
+        except Exception as e:  # noqa: BLE001 - a hiccup (store, SkyPilot API) is retried next round
+            log.warning("worker pool check failed: %s", e)
+
+
+# -- local processes ------------------------------------------------------------------------------
 def _term_with_parent() -> None:
     """Linux: SIGTERM the worker when the flow's process dies (even by kill -9), so none is orphaned;
     on SIGTERM a worker records what it finished and releases its item."""
@@ -46,10 +78,8 @@ def _term_with_parent() -> None:
 
 
 def wait_until_ready(run_url: str, workers: dict[str, subprocess.Popen], timeout: float = 120.0) -> None:
-    """Wait (bounded) until every local worker has opened the run, so the first exploration finds
-    them working instead of booting. A worker that dies or is late only costs speed: the trainer
-    explores too while it waits, and a stalled queue is explored in-process."""
-    from spotlight.store import RunStore
+    """Wait (bounded) until every local worker has opened the run, so the first stage finds them working
+    instead of booting. A worker that dies or is late only costs speed: the pool starts it again."""
     from spotlight.worker import ready_record_key
 
     store, deadline = RunStore(run_url), time.monotonic() + timeout
@@ -60,34 +90,147 @@ def wait_until_ready(run_url: str, workers: dict[str, subprocess.Popen], timeout
                 break
             time.sleep(0.05)
         else:
-            warnings.warn(f"exploration worker {worker_id} is not ready (exit code {proc.poll()}); going on without it")
+            warnings.warn(f"worker {worker_id} is not ready (exit code {proc.poll()}); going on without it")
 
 
-@contextmanager
-def local_workers(cfg: Config) -> Iterator[list[subprocess.Popen]]:
-    """Start ``exploration.workers`` worker processes for the run; SIGTERM them (they commit and release) on exit."""
-    exe = str(Path(sys.executable).with_name("spotlight"))
-    workers: dict[str, subprocess.Popen] = {}
-    for i in range(cfg.exploration.workers if cfg.exploration.mode != "none" else 0):
-        worker_id = f"local-{i}"
-        cmd = [exe, "worker", "--run", cfg.run_url, "--id", worker_id, "--idle-exit", "86400", "--poll-seconds", "0.05",
-               "--lease-seconds", str(cfg.exploration.lease_seconds)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(cfg.run.threads))
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_term_with_parent)
-        if cfg.exploration.worker_cpus:
-            os.sched_setaffinity(proc.pid, set(cfg.exploration.worker_cpus))
-        workers[worker_id] = proc
-    procs = list(workers.values())
-    try:
-        wait_until_ready(cfg.run_url, workers)
-        yield procs
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+class LocalPool:
+    """``spotlight worker`` processes on this machine, pinned to ``placement.<kind>.local_cpus``."""
+
+    poll_seconds = 0.5
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.store = cfg, RunStore(cfg.run_url)
+        self.exe = str(Path(sys.executable).with_name("spotlight"))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.kinds: dict[str, str] = {}
+        self.failures: Counter[str] = Counter()
+        self.launches: Counter[str] = Counter()
+        self.logs = Path(tempfile.mkdtemp(prefix="spotlight-workers-"))
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        for kind, i in worker_slots(self.cfg):
+            slot = f"local-{kind}-{i}"
+            self.kinds[slot] = kind
+            self._spawn(slot)
+        wait_until_ready(self.cfg.run_url, dict(self.procs))
+
+    def _spawn(self, slot: str) -> None:
+        kind = self.kinds[slot]
+        cmd = [self.exe, "worker", "--run", self.cfg.run_url, "--kind", kind, "--id", slot, "--idle-exit", "86400"]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), SPOTLIGHT_SLOT=slot)
+        with open(self.logs / f"{slot}.log", "ab") as err:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                    preexec_fn=_term_with_parent)
+        cpus = getattr(self.cfg.placement, kind).local_cpus
+        if cpus:
+            os.sched_setaffinity(proc.pid, set(cpus))
+        self.procs[slot] = proc
+        self.launches[slot] += 1
+
+    def log_tail(self, slot: str, lines: int = 30) -> str:
+        try:
+            return "\n".join((self.logs / f"{slot}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def keep(self) -> None:
+        with self._lock:
+            for slot, proc in list(self.procs.items()):
+                code = proc.poll()
+                if code is None or stage_queue.pool_done(self.store) or stage_queue.pool_broken(self.store):
+                    continue
+                if code != 0:
+                    self.failures[slot] += 1
+                if self.failures[slot] > self.cfg.placement.max_relaunches:
+                    stage_queue.mark_pool_broken(self.store, slot, (
+                        f"local worker {slot} ({self.kinds[slot]}) exited with code {code}, "
+                        f"{self.failures[slot]} times (placement.max_relaunches is {self.cfg.placement.max_relaunches}); "
+                        f"the end of its log:\n{self.log_tail(slot)}"))
+                    continue
+                log.warning("local worker %s exited (code %s); starting it again", slot, code)
+                self._spawn(slot)
+
+    def close(self) -> None:
+        with self._lock:
+            procs = list(self.procs.values())
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+# -- SkyPilot managed jobs ------------------------------------------------------------------------
+class SkyPool:
+    """One SkyPilot managed job per worker, named ``spotlight-<run>-<hash>-<kind>-NNNN``."""
+
+    def __init__(self, cfg: Config, launcher: SkyLauncher, close_grace_seconds: float = 60.0):
+        self.cfg, self.launcher, self.store = cfg, launcher, RunStore(cfg.run_url)
+        self.config = cfg.model_dump(mode="json")
+        self.poll_seconds = launcher.poll_seconds
+        self.close_grace_seconds = close_grace_seconds
+        self.slots = {f"{run_prefix(cfg.run_url)}{kind}-{i:04d}": (kind, i) for kind, i in worker_slots(cfg)}
+        self.failures: Counter[str] = Counter()
+        self._seen: dict[str, Any] = {}
+
+    def start(self) -> None:
+        for kind, i in self.slots.values():
+            self.launcher.start(kind, i, self.config)
+
+    def keep(self) -> None:
+        records = self.launcher.jobs.queue(run_prefix(self.cfg.run_url))
+        for name, (kind, i) in self.slots.items():
+            record = self.launcher.latest(name, records)
+            if record is not None and record["status"] not in TERMINAL:
+                self._record_instance(name, kind, record)
+                continue
+            if stage_queue.pool_done(self.store) or stage_queue.pool_broken(self.store):
+                continue
+            if record is not None and record["status"] != SUCCEEDED:
+                self.failures[name] += 1
+                if self.failures[name] > self.cfg.placement.max_relaunches:
+                    stage_queue.mark_pool_broken(self.store, name, (
+                        f"the {kind} {name} ended {self.failures[name]} times "
+                        f"(placement.max_relaunches is {self.cfg.placement.max_relaunches}); the last time: "
+                        f"{self.launcher.failure(name, record)}"))
+                    continue
+            log.warning("the %s %s is %s; launching it again", kind, name,
+                        "gone" if record is None else f"{record['status']} (id {record['job_id']})")
+            self.launcher.start(kind, i, self.config, relaunch=True)
+
+    def _record_instance(self, name: str, kind: str, record: dict[str, Any]) -> None:
+        """What the job runs on now, priced from the catalog: the worker's ledger entries read it."""
+        from spotlight.cost import PriceError, resources_price
+
+        resources = record.get("resources")
+        key = (record["job_id"], record.get("recovery_count"), repr(resources))
+        if not resources or self._seen.get(name) == key:
+            return
+        try:
+            priced = resources_price(resources)
+        except PriceError as e:
+            priced = {"instance": f"{resources.get('cloud')}/{resources.get('region')} {resources.get('instance_type')}",
+                      "price_per_hour": 0.0, "price_source": f"unpriced: {e}"}
+        stage_queue.write_slot(self.store, name, {
+            "kind": kind, "job_id": record["job_id"], "recovery_count": record.get("recovery_count"),
+            "resources": resources, "seen_at": time.time(), "seen_by": socket.gethostname(), **priced})
+        self._seen[name] = key
+
+    def close(self) -> None:
+        """The done marker is written: workers exit by themselves; cancel the ones still running after a grace."""
+        deadline = time.monotonic() + self.close_grace_seconds
+        while time.monotonic() < deadline:
+            records = self.launcher.jobs.queue(run_prefix(self.cfg.run_url))
+            active = [n for n in self.slots if (r := self.launcher.latest(n, records)) is not None
+                      and r["status"] not in TERMINAL]
+            if not active:
+                return
+            time.sleep(min(self.poll_seconds, 1.0))
+        for name in self.slots:
+            record = self.launcher.latest(name)
+            if record is not None and record["status"] not in TERMINAL:
+                self.launcher.jobs.cancel(name)

@@ -28,6 +28,11 @@ def test_default_config_file_matches_defaults():
     ("run.device=gpu", "unknown device 'gpu'; devices: auto, cpu, cuda, cuda:N"),
     ("run.device=cpu:1", "unknown device 'cpu:1'"),
     ("exploration.coarsen=3", "exploration.coarsen (3) must divide sampler.train_steps (10)"),
+    ("placement.trainer.workers=0", "placement.trainer.workers is 0: a run needs at least one trainer"),
+    ("placement.explorer.accelerators=[L40X:1]", "placement.explorer.accelerators: Value error, accelerator 'L40X' "
+                                                 "is not in SkyPilot's catalog (sky/catalog/v8/common/accelerators.csv)"),
+    ("placement.trainer.accelerators=[A100:0]", "accelerator 'A100:0': expected NAME or NAME:COUNT"),
+    ("placement.lease_seconds=0", "placement.lease_seconds: Input should be greater than 0"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:
@@ -46,6 +51,8 @@ def test_unknown_key_in_file(tmp_path):
     ("grpo.group_size=0", "group size must be >= 2"),
     ("rewards.train=nope", "unknown reward 'nope'"),
     ("grpo.bogus=1", "grpo.bogus: unknown key"),
+    ("placement.trainer.workers=0", "a run needs at least one trainer"),
+    ("placement.trainer.accelerators=[Z100:8]", "accelerator 'Z100' is not in SkyPilot's catalog"),
     *([("run.device=cuda", "run.device is 'cuda' but torch")] if not torch.cuda.is_available() else []),
 ])
 def test_cli_fails_before_any_compute(tmp_path: Path, override, needle):
@@ -110,3 +117,34 @@ def test_real_model_inputs_are_checked_before_compute(tmp_path: Path, tiny_sd3, 
         check_inputs(load_config(REPO / "configs/sd35m-pickscore.yaml", [*base, *[s.format(tmp=tmp_path) for s in sets]]))
     assert needle.format(tmp=tmp_path) in " ".join(str(err.value).split())
     assert not (tmp_path / "run").exists()
+
+
+def test_placement_may_change_on_resume_and_is_recorded_while_the_recipe_stays_pinned(tmp_path, small_overrides):
+    from spotlight.run import current_placement, open_run, open_run_from_url, placement_history
+
+    first = open_run(load_config(REPO / "configs/tiny.yaml", small_overrides))
+    assert placement_history(first.store) == []
+    moved = ["placement.explorer.workers=4", "placement.trainer.use_spot=false", "placement.lease_seconds=60",
+             "evaluation.target=0.9"]
+    run = open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, *moved]))  # not refused
+    [change] = placement_history(run.store)
+    assert change["placement"]["explorer"]["workers"] == 4 and change["placement"]["trainer"]["use_spot"] is False
+    assert "  explorer.workers: 1 (started) vs 4 (now)" in change["changes"]
+    assert "  lease_seconds: 30.0 (started) vs 60.0 (now)" in change["changes"]
+    open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, *moved]))  # the same again: nothing new
+    assert len(placement_history(run.store)) == 1
+    worker_view = open_run_from_url(run.store.url)  # what a worker opening the run by its URL sees
+    assert worker_view.cfg.placement == run.cfg.placement and worker_view.cfg.placement.explorer.workers == 4
+    assert current_placement(run.store, first.cfg)["lease_seconds"] == 60.0
+    with pytest.raises(ConfigError, match=r"grpo.lr: 0.0001 \(started\) vs 0.5 \(now\)"):
+        open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, *moved, "grpo.lr=0.5"]))
+
+
+def test_old_spellings_of_placement_are_read_as_placement():
+    """Runs committed before placement had its own section (and old command lines) keep working."""
+    old = load_config(None, ["exploration.workers=2", "exploration.worker_cpus=[1]", "exploration.lease_seconds=5",
+                             "exploration.stall_seconds=9", "run.cpus=[0]"])
+    assert old.placement.explorer.workers == 2 and old.placement.explorer.local_cpus == [1]
+    assert (old.placement.lease_seconds, old.placement.stall_seconds, old.placement.trainer.local_cpus) == (5, 9, [0])
+    with pytest.raises(ConfigError, match="exploration.workers .the old spelling. and placement.explorer.workers"):
+        load_config(None, ["exploration.workers=2", "placement.explorer.workers=3"])

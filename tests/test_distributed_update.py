@@ -1,5 +1,6 @@
-"""The update stage as several data-parallel processes (as `accelerate launch` runs it in sky/update.yaml):
-two processes on gloo give the single-process result up to float reduction order, and commit once."""
+"""A trainer spanning several processes (as `accelerate launch` runs it in sky/trainer.yaml on several GPUs
+or nodes): rank 0 pulls the posted update, every rank trains its share of each minibatch over gloo, and the
+result equals the single-process update up to float reduction order, committed once."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+import pytest
 
+from spotlight import stage_queue
 from spotlight.store import RunStore
-from tests.conftest import SMALL, cli_env, run_cli, spotlight_cmd
+from tests.conftest import SMALL, SPOTLIGHT, cli_env, run_cli, spotlight_cmd
 
 
-def test_two_process_update_matches_single_process(tmp_path: Path, cache_url):
+def test_two_process_trainer_update_matches_single_process(tmp_path: Path, cache_url):
     overrides = [*SMALL, f"run.cache_url={cache_url}", "grpo.iterations=1"]
     single, double = tmp_path / "single", tmp_path / "double"
     for stage in ("pretrain", "filter"):
@@ -23,15 +25,25 @@ def test_two_process_update_matches_single_process(tmp_path: Path, cache_url):
     shutil.copytree(single, double)  # same committed filter(0): both updates start from identical inputs
     assert run_cli(spotlight_cmd("stage", "update", overrides=[*overrides, f"run.url=file://{single}"]),
                    tmp_path).returncode == 0
+    store = RunStore(f"file://{double}")
+    request = stage_queue.post(store, "update", 0, lease_seconds=60)
+    # `--` ends torchrun's options: it would take the worker's `--run` for an abbreviation of its `--run-path`
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd = [*torchrun, *spotlight_cmd("stage", "update", overrides=[*overrides, f"run.url=file://{double}"])]
-    result = subprocess.run(cmd, cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert (result.stdout + result.stderr).count("committed file:") == 2, "both ranks finish with the commit"
-    metrics = RunStore(f"file://{double}").load("iterations/0000/update").json("metrics.json")
+    cmd = [*torchrun, "--", SPOTLIGHT, "worker", "--run", store.url, "--kind", "trainer", "--id", "ddp", "--idle-exit", "300"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        done = stage_queue.wait(request, poll_seconds=0.05, timeout_seconds=300,
+                                on_poll=lambda: None if proc.poll() is None else pytest.fail(proc.stdout.read()[-4000:]))
+    finally:
+        stage_queue.mark_pool_done(store, "test over")  # both ranks leave
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert done["worker"] == "ddp" and out.count("trainer worker ddp on") == 1, "rank 0 alone pulls and reports"
+    metrics = store.load("iterations/0000/update").json("metrics.json")
     assert metrics["data_parallel_processes"] == 2
     a = RunStore(f"file://{single}").load("iterations/0000/update").tensors("policy.safetensors")
-    b = RunStore(f"file://{double}").load("iterations/0000/update").tensors("policy.safetensors")
+    b = store.load("iterations/0000/update").tensors("policy.safetensors")
     base = RunStore(cache_url).load(next(k for k in RunStore(cache_url).list("") if k.startswith("base-"))
                                     + "/final").tensors("ema.safetensors")
     moved = max((a[k] - base[k]).abs().max().item() for k in a)

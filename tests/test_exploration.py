@@ -1,5 +1,5 @@
 """Seed exploration: the variance filter, the bandit planner, rank correlation, and a whole spotlight-mode
-run whose exploration worker is killed with -9 mid-run, which must end exactly like a run with no faults."""
+run whose exploration worker (a local explorer process) is killed with -9 mid-run, which must end exactly like a run with no faults."""
 
 from __future__ import annotations
 
@@ -86,23 +86,23 @@ def test_items_have_fixed_batches():
 
 
 def _worker_pids(run_url: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"worker --run {run_url}"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", f"worker --run {run_url} --kind explorer"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
 
 def test_spotlight_run_with_killed_worker_equals_clean_run(tmp_path: Path, cache_url):
     common = [*SMALL, f"run.cache_url={cache_url}", "exploration.mode=spotlight", "grpo.iterations=4",
               "exploration.candidates_per_prompt=12", "exploration.seeds_per_batch=4", "exploration.extra_prompts=4",
-              "exploration.ranking_every=2", "exploration.lease_seconds=3", "exploration.stall_seconds=6"]
+              "exploration.ranking_every=2", "placement.lease_seconds=3", "placement.stall_seconds=6"]
     clean = tmp_path / "clean"
     result = subprocess.run(spotlight_cmd("run", overrides=[*common, f"run.url=file://{clean}",
-                                                            "exploration.workers=0"]),
+                                                            "placement.explorer.workers=0"]),
                             cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
     faulty = tmp_path / "faulty"
     url = f"file://{faulty}"
-    proc = subprocess.Popen(spotlight_cmd("run", overrides=[*common, f"run.url={url}", "exploration.workers=1"]),
+    proc = subprocess.Popen(spotlight_cmd("run", overrides=[*common, f"run.url={url}", "placement.explorer.workers=1"]),
                             cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     killed = []

@@ -1,61 +1,55 @@
-"""The launcher at the SkyPilot boundary: only ``SkyJobs`` (the calls into sky.jobs) is replaced.
+"""The worker pool's launcher at the SkyPilot boundary: only ``SkyJobs`` (the calls into sky.jobs) is replaced.
 
-Everything else is real: the stage YAML is parsed by ``sky.Task.from_yaml``, envs, secrets and the
-config mount are filled in on a real ``sky.Task``, names are derived, the queue is deduplicated and
-polled, failures are formatted, and interrupts cancel the job.
+Everything else is real: the worker YAML is parsed by ``sky.Task.from_yaml_config`` with the run's
+placement as its resources, envs and secrets are filled in on a real ``sky.Task``, names are derived, an
+active job is found instead of launched twice, an ended job is relaunched, a job that keeps failing
+breaks the pool naming it (status, failure reason, log tail, no secret), and the job's resources are
+priced from the catalog for the ledger.
 """
 
 from __future__ import annotations
 
+import csv
 import os
+from pathlib import Path
 
 import pytest
-import yaml
 
 os.environ.setdefault("SKYPILOT_DISABLE_USAGE_COLLECTION", "1")
 
+from spotlight import cost, stage_queue  # noqa: E402
 from spotlight.config import load_config  # noqa: E402
-from tasks.launcher import (REMOTE_CONFIG, InProcess, SkyJobFailed, SkyJobs, SkyLauncher,  # noqa: E402
-                            job_name, launcher_from_env)
+from spotlight.store import RunStore  # noqa: E402
+from tasks.launcher import (LocalLauncher, SkyJobs, SkyLauncher, job_name, launcher_from_env,  # noqa: E402
+                            parse_resources, placement_resources, sky_jobs_from_env)
+from tasks.workers import SkyPool  # noqa: E402
 
 SECRET = "fakeSECRETkey/for+launcher+tests0123456789"
 ENV = {"AWS_ACCESS_KEY_ID": "AKIALAUNCHERTEST", "AWS_SECRET_ACCESS_KEY": SECRET}
 RUN = "s3://bucket/runs/exp1"
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _config(url: str = RUN) -> dict:
-    return load_config("configs/tiny.yaml", [f"run.url={url}", "grpo.iterations=3"]).model_dump(mode="json")
+def _config(url: str = RUN, *sets: str) -> dict:
+    return load_config("configs/tiny.yaml", [f"run.url={url}", "grpo.iterations=3", *sets]).model_dump(mode="json")
 
 
 class FakeSkyJobs(SkyJobs):
-    """Stands in for SkyPilot's jobs controller: each queue() call moves launched jobs one status on."""
+    """Stands in for SkyPilot's jobs controller: jobs stay as the test sets them."""
 
-    def __init__(self, script: list[str], existing: list[dict] | None = None, logs: str = "",
-                 interrupt_on_poll: int | None = None):
-        self.script, self.records, self.log_text = script, list(existing or []), logs
-        self.launched: list[tuple[object, str, str]] = []  # (task, name, config text at launch)
+    def __init__(self, existing: list[dict] | None = None, logs: str = ""):
+        self.records, self.log_text = list(existing or []), logs
+        self.launched: list[tuple[object, str]] = []
         self.cancelled: list[str] = []
-        self.polls, self.interrupt_on_poll = 0, interrupt_on_poll
-        self._steps: dict[int, int] = {}
 
     def launch(self, task, name):
-        with open(task.file_mounts[REMOTE_CONFIG]) as f:
-            self.launched.append((task, name, f.read()))
+        self.launched.append((task, name))
         job_id = max([r["job_id"] for r in self.records], default=0) + 1
         self.records.append({"job_id": job_id, "job_name": name, "status": "PENDING", "recovery_count": 0,
-                             "failure_reason": None})
-        self._steps[job_id] = 0
+                             "failure_reason": None, "resources": None})
         return job_id
 
     def queue(self, name_match):
-        self.polls += 1
-        if self.interrupt_on_poll is not None and self.polls >= self.interrupt_on_poll:
-            raise KeyboardInterrupt
-        for r in self.records:
-            if r["job_id"] in self._steps and self._steps[r["job_id"]] < len(self.script):
-                r["status"] = self.script[self._steps[r["job_id"]]]
-                r["recovery_count"] += r["status"] == "RECOVERING"
-                self._steps[r["job_id"]] += 1
         return [dict(r) for r in self.records if name_match in r["job_name"]]
 
     def cancel(self, name):
@@ -67,92 +61,143 @@ class FakeSkyJobs(SkyJobs):
     def logs(self, job_id, tail):
         return "\n".join(self.log_text.splitlines()[-tail:])
 
+    def set(self, name, **fields):
+        record = max((r for r in self.records if r["job_name"] == name), key=lambda r: r["job_id"])
+        record.update(fields)
 
-def _launcher(jobs: FakeSkyJobs, **kw) -> SkyLauncher:
-    return SkyLauncher(jobs=jobs, poll_seconds=0, log_tail_lines=3, environ=ENV, **kw)
+
+def _launcher(jobs: FakeSkyJobs) -> SkyLauncher:
+    return SkyLauncher(jobs=jobs, poll_seconds=0, log_tail_lines=3, environ=ENV)
 
 
-def test_launch_builds_the_real_task_and_waits_through_a_preemption():
-    jobs = FakeSkyJobs(["PENDING", "STARTING", "RUNNING", "RECOVERING", "RUNNING", "SUCCEEDED"])
-    record = _launcher(jobs, num_nodes=2).run_stage("update", 1, _config())
-    assert record["status"] == "SUCCEEDED" and record["recovery_count"] == 1
-    [(task, name, config_text)] = jobs.launched
-    assert name == job_name(RUN, "update", 1) == "spotlight-exp1-" + name.split("-")[2] + "-update-0001"
-    assert name == job_name(RUN + "/", "update", 1)  # deterministic: same run, same name
-    assert job_name("s3://other/runs/exp1", "update", 1) != name  # another bucket's run never collides
-    # envs, secrets, config mount and nodes, on the task SkyPilot parsed from sky/update.yaml
-    assert task.envs["RUN_URL"] == RUN and task.envs["ITERATION"] == "1" and task.envs["CONFIG"] == REMOTE_CONFIG
+def test_worker_task_is_the_yaml_with_the_placement_resources_and_the_run_envs():
+    config = _config(RUN, "placement.trainer.accelerators=[H100:8,A100-80GB:8]", "placement.trainer.use_spot=false",
+                     "placement.trainer.cpus=32+", "placement.idle_exit_seconds=900")
+    jobs = FakeSkyJobs()
+    name, job_id = _launcher(jobs).start("trainer", 0, config)
+    [(task, launched)] = jobs.launched
+    assert launched == name == job_name(RUN, "trainer", 0) and name.endswith("-trainer-0000") and job_id == 1
+    assert name == job_name(RUN + "/", "trainer", 0) and job_name("s3://other/runs/exp1", "trainer", 0) != name
+    assert task.name == "spotlight-trainer"
+    assert {(next(iter(r.accelerators.items())), r.use_spot, r.cpus) for r in task.resources} == \
+        {(("H100", 8), False, "32+"), (("A100-80GB", 8), False, "32+")}
+    assert all(r.job_recovery["strategy"] == "EAGER_NEXT_REGION" for r in task.resources)  # the YAML's, kept
+    assert task.envs["RUN_URL"] == RUN and task.envs["SPOTLIGHT_SLOT"] == name and task.envs["IDLE_EXIT"] == "900"
     secrets = {k: v.get_secret_value() for k, v in task.secrets.items()}  # SkyPilot keeps them as SecretStr
-    assert secrets["AWS_SECRET_ACCESS_KEY"] == SECRET and secrets["AWS_ACCESS_KEY_ID"] == ENV["AWS_ACCESS_KEY_ID"]
-    assert not task.managed_secret_refs  # all filled in, as `sky jobs launch --secret` would
+    assert secrets["AWS_SECRET_ACCESS_KEY"] == SECRET and not task.managed_secret_refs
     assert SECRET not in repr(task.secrets) and SECRET not in str(task.envs)
-    assert task.num_nodes == 2 and all(r.use_spot for r in task.resources) and len(task.resources) >= 3
-    assert yaml.safe_load(config_text) == _config()  # the job runs on exactly the run's config
-    assert not os.path.exists(task.file_mounts[REMOTE_CONFIG])  # the temp copy is cleaned up
-    assert jobs.cancelled == []
+    assert "spotlight worker --kind trainer" in task.run and task.workdir == str(REPO)
+    one = placement_resources({"job_recovery": {"strategy": "EAGER_NEXT_REGION"}},
+                              load_config(None, ["placement.explorer.accelerators=[L4:1]"]).placement.explorer)
+    assert one == {"job_recovery": {"strategy": "EAGER_NEXT_REGION"}, "use_spot": True, "disk_size": 100,
+                   "accelerators": "L4:1"}
 
 
-def test_a_retry_never_launches_a_duplicate():
-    name = job_name(RUN, "update", 2)
-    decoy = {"job_id": 7, "job_name": name + "0", "status": "RUNNING", "recovery_count": 0, "failure_reason": None}
-    # a previous attempt's job is still running: wait on it (its status advances as the fake polls)
-    running = FakeSkyJobs([], existing=[decoy, {"job_id": 8, "job_name": name, "status": "RUNNING",
-                                                 "recovery_count": 0, "failure_reason": None}])
-    running._steps[8] = 0
-    running.script = ["RUNNING", "SUCCEEDED"]
-    assert _launcher(running).run_stage("update", 2, _config())["job_id"] == 8
-    assert running.launched == []
-    # it already succeeded: return at once
-    done = FakeSkyJobs([], existing=[{"job_id": 3, "job_name": name, "status": "SUCCEEDED",
-                                      "recovery_count": 0, "failure_reason": None}])
-    assert _launcher(done).run_stage("update", 2, _config())["job_id"] == 3 and done.launched == []
-    # it failed before: this retry launches a fresh job (the stage resumes from the last commit)
-    failed = FakeSkyJobs(["RUNNING", "SUCCEEDED"], existing=[{"job_id": 4, "job_name": name, "status": "FAILED",
-                                                               "recovery_count": 0, "failure_reason": "oom"}])
-    assert _launcher(failed).run_stage("update", 2, _config())["job_id"] == 5
-    assert [n for _, n, _ in failed.launched] == [name]
+def test_pool_launches_each_worker_once_finds_active_ones_and_relaunches_ended_ones(tmp_path):
+    url = f"file://{tmp_path}/run"  # the pool's markers; the launcher itself is told the bucket URL below
+    cfg = load_config("configs/tiny.yaml", [f"run.url={RUN}", "placement.explorer.workers=2"])
+    pool = SkyPool(cfg, _launcher(FakeSkyJobs()), close_grace_seconds=0)
+    pool.store = RunStore(url)
+    # a previous controller's trainer is still running: it is the trainer, not launched again
+    jobs = pool.launcher.jobs
+    jobs.records.append({"job_id": 7, "job_name": job_name(RUN, "trainer", 0), "status": "RECOVERING",
+                         "recovery_count": 2, "failure_reason": None, "resources": None})
+    pool.start()
+    assert sorted(n for _, n in jobs.launched) == sorted([job_name(RUN, "explorer", 0), job_name(RUN, "explorer", 1)])
+    for _ in range(5):  # polls while everything runs launch nothing
+        pool.keep()
+    assert len(jobs.launched) == 2
+    # the explorer's job exits 0 (it idled out) while the run goes on: launched again, no failure counted
+    jobs.set(job_name(RUN, "explorer", 1), status="SUCCEEDED")
+    pool.keep()
+    assert [n for _, n in jobs.launched][-1] == job_name(RUN, "explorer", 1) and not pool.failures
+    # once the flow is over, an ended job stays ended; close cancels what still runs
+    stage_queue.mark_pool_done(pool.store, "test")
+    jobs.set(job_name(RUN, "explorer", 0), status="FAILED")
+    pool.keep()
+    assert len(jobs.launched) == 3
+    pool.close()
+    assert sorted(jobs.cancelled) == sorted([job_name(RUN, "trainer", 0), job_name(RUN, "explorer", 1)])
 
 
-def test_a_failed_job_raises_with_status_and_log_tail_without_the_secret():
+def test_a_worker_that_keeps_failing_breaks_the_pool_naming_it(tmp_path):
     log = "\n".join([f"line {i}" for i in range(10)] + [f"botocore says key {SECRET} was rejected", "Traceback: boom"])
-    jobs = FakeSkyJobs(["STARTING", "FAILED_SETUP"], logs=log)
-    with pytest.raises(SkyJobFailed) as err:
-        _launcher(jobs).run_stage("explore", 0, _config())
-    message = str(err.value)
-    assert err.value.status == "FAILED_SETUP" and "ended FAILED_SETUP" in message
-    assert "Traceback: boom" in message and "line 9" in message and "line 3" not in message  # last 3 lines
-    assert SECRET not in message and "***" in message
-    assert jobs.cancelled == []  # a failure is final; nothing to cancel
+    cfg = load_config("configs/tiny.yaml", [f"run.url={RUN}", "placement.max_relaunches=1", "exploration.mode=none"])
+    jobs = FakeSkyJobs(logs=log)
+    pool = SkyPool(cfg, _launcher(jobs), close_grace_seconds=0)
+    pool.store = RunStore(f"file://{tmp_path}/run")
+    pool.start()
+    name = job_name(RUN, "trainer", 0)
+    assert [n for _, n in jobs.launched] == [name]  # mode none: no explorers
+    jobs.set(name, status="FAILED_SETUP", failure_reason="pip install failed")
+    pool.keep()  # one relaunch allowed
+    jobs.set(name, status="FAILED_SETUP", failure_reason="pip install failed")
+    pool.keep()
+    assert len(jobs.launched) == 2
+    broken = stage_queue.pool_broken(pool.store)
+    assert broken["slot"] == name and "ended 2 times" in broken["reason"] and "FAILED_SETUP" in broken["reason"]
+    assert "pip install failed" in broken["reason"] and "Traceback: boom" in broken["reason"]
+    assert SECRET not in broken["reason"] and "***" in broken["reason"]
+    request = stage_queue.post(pool.store, "update", 0, 30)
+    with pytest.raises(stage_queue.StageFailed, match=f"worker pool is broken: the trainer {name} ended 2 times"):
+        stage_queue.wait(request, poll_seconds=0.01)
 
 
-def test_interrupt_cancels_the_job_and_cancel_run_cancels_only_active_jobs_of_the_run():
-    jobs = FakeSkyJobs(["PENDING", "RUNNING", "RUNNING", "RUNNING"], interrupt_on_poll=3)
-    with pytest.raises(KeyboardInterrupt):
-        _launcher(jobs).run_stage("update", 0, _config())
-    assert jobs.cancelled == [job_name(RUN, "update", 0)]
-
-    other = job_name("s3://bucket/runs/exp2", "update", 0)
-    jobs = FakeSkyJobs([], existing=[
-        {"job_id": 1, "job_name": job_name(RUN, "update", 0), "status": "SUCCEEDED"},
-        {"job_id": 2, "job_name": job_name(RUN, "update", 1), "status": "RECOVERING"},
-        {"job_id": 3, "job_name": job_name(RUN, "explore", 2), "status": "RUNNING"},
-        {"job_id": 4, "job_name": other, "status": "RUNNING"}])
-    assert _launcher(jobs).cancel_run(RUN) == sorted([job_name(RUN, "update", 1), job_name(RUN, "explore", 2)])
-    assert other not in jobs.cancelled
+def test_job_resources_are_priced_from_the_catalog_for_the_ledger(tmp_path):
+    record = {"cloud": "AWS", "region": "us-east-1", "zone": "use1-az4", "accelerators": {"L4": 1},
+              "cluster_resources_full": "[spot](gpus=L4:1, cpus=4, mem=16, g6.xlarge, disk=100)"}
+    resources = parse_resources(record)
+    assert resources == {"cloud": "AWS", "region": "us-east-1", "zone": "use1-az4", "instance_type": "g6.xlarge",
+                         "accelerators": {"L4": 1}, "use_spot": True}
+    assert parse_resources({"cloud": None}) is None
+    priced = cost.resources_price(resources)
+    with open(cost.CATALOG_DIR / "aws" / "vms.csv", newline="") as f:
+        [row] = [r for r in csv.DictReader(f) if (r["InstanceType"], r["Region"], r["AvailabilityZone"]) ==
+                 ("g6.xlarge", "us-east-1", "use1-az4")]
+    assert priced["price_per_hour"] == float(row["SpotPrice"]) == 0.349
+    assert priced["instance"] == "AWS/us-east-1/use1-az4 g6.xlarge [spot]"
+    on_demand = cost.resources_price({**resources, "use_spot": False})
+    assert on_demand["price_per_hour"] == float(row["Price"]) > priced["price_per_hour"]
+    with pytest.raises(cost.PriceError, match="no instance 'g9.mega' in region 'us-east-1'"):
+        cost.resources_price({**resources, "instance_type": "g9.mega"})
+    # the worker side: its slot's record if it still runs there, else the accelerator where it runs now
+    store = RunStore(f"file://{tmp_path}/run")
+    stage_queue.write_slot(store, "w", {"resources": resources, **priced})
+    here = {"SKYPILOT_CLUSTER_INFO": '{"cloud": "AWS", "region": "us-east-1", "zone": "use1-az4"}'}
+    assert cost.worker_instance(store, "explorer", 0.0, "w", here)["price_per_hour"] == priced["price_per_hour"]
+    moved = cost.worker_instance(store, "explorer", 0.0, "w", {"SKYPILOT_CLUSTER_INFO":
+                                                                '{"cloud": "AWS", "region": "us-west-2", "zone": "usw2-az1"}'})
+    assert moved["instance"].startswith("AWS/us-west-2") and moved["price_per_hour"] > 0
+    local = cost.worker_instance(store, "trainer", 1.25, None, {})
+    assert local["price_per_hour"] == 1.25 and local["price_source"] == "placement.trainer.price_per_hour"
 
 
 def test_clear_errors_before_anything_is_launched():
-    jobs = FakeSkyJobs(["SUCCEEDED"])
+    jobs = FakeSkyJobs()
     with pytest.raises(ValueError, match="needs a bucket run store"):
-        _launcher(jobs).run_stage("update", 0, _config("file:///tmp/runs/x"))
-    with pytest.raises(ValueError, match="no SkyPilot task for stage 'filter'"):
-        _launcher(jobs).run_stage("filter", 0, _config())
+        _launcher(jobs).start("trainer", 0, _config("file:///tmp/runs/x"))
+    with pytest.raises(ValueError, match="no SkyPilot task for worker kind 'updater'"):
+        _launcher(jobs).start("updater", 0, _config())
     assert jobs.launched == [] and jobs.cancelled == []
 
 
+def test_cancel_run_cancels_only_active_jobs_of_the_run():
+    other = job_name("s3://bucket/runs/exp2", "trainer", 0)
+    jobs = FakeSkyJobs([
+        {"job_id": 1, "job_name": job_name(RUN, "trainer", 0), "status": "SUCCEEDED"},
+        {"job_id": 2, "job_name": job_name(RUN, "trainer", 0), "status": "RECOVERING"},
+        {"job_id": 3, "job_name": job_name(RUN, "explorer", 2), "status": "RUNNING"},
+        {"job_id": 4, "job_name": other, "status": "RUNNING"}])
+    assert _launcher(jobs).cancel_run(RUN) == sorted([job_name(RUN, "trainer", 0), job_name(RUN, "explorer", 2)])
+    assert other not in jobs.cancelled
+
+
 def test_launcher_from_env():
-    assert isinstance(launcher_from_env({}), InProcess)
-    assert InProcess().run_stage("update", 0, _config(), lambda: 42) == 42
-    assert isinstance(launcher_from_env({"SPOTLIGHT_LAUNCHER": "sky"}), SkyLauncher)
+    assert isinstance(launcher_from_env({}), LocalLauncher)
+    sky = launcher_from_env({"SPOTLIGHT_LAUNCHER": "sky", "SPOTLIGHT_POOL_POLL_SECONDS": "2"})
+    assert isinstance(sky, SkyLauncher) and type(sky.jobs) is SkyJobs and sky.poll_seconds == 2
+    assert type(sky_jobs_from_env({"SPOTLIGHT_SKY_JOBS": "tests.test_launcher:FakeSkyJobs"})).__name__ == "FakeSkyJobs"
+    with pytest.raises(ValueError, match="expected module:attribute"):
+        sky_jobs_from_env({"SPOTLIGHT_SKY_JOBS": "tests.test_launcher"})
     with pytest.raises(ValueError, match="expected 'local' or 'sky'"):
         launcher_from_env({"SPOTLIGHT_LAUNCHER": "k8s"})

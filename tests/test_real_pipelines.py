@@ -41,8 +41,8 @@ SHRINK = [  # the shipped configs at toy size, on one core
     "model.lora.alpha=8", "sampler.train_steps=4", "sampler.eval_steps=4", "sampler.batch_size=8",
     "grpo.iterations=2", "grpo.prompts_per_iteration=2", "grpo.group_size=4", "grpo.minibatch_size=16",
     "grpo.microbatch_size=8", "exploration.candidates_per_prompt=8", "exploration.max_candidates_per_prompt=16",
-    "exploration.seeds_per_batch=4", "exploration.extra_prompts=1", "exploration.workers=1",
-    "exploration.lease_seconds=30", "exploration.stall_seconds=120", "exploration.ranking_every=0",
+    "exploration.seeds_per_batch=4", "exploration.extra_prompts=1", "placement.explorer.workers=1",
+    "placement.lease_seconds=30", "placement.stall_seconds=120", "exploration.ranking_every=0",
     "evaluation.every=1", "evaluation.seeds_per_prompt=2", "evaluation.prompts=2", "rewards.runtime=eager",
 ]
 TRAIN = ["a red cat on a mat", "a blue car", "two dogs in the snow", "a sign that says OPEN", "a green apple",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import filecmp
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,8 @@ FIXTURE = REPO / "tests" / "fixtures" / "catalog"
 YAMLS = sorted((REPO / "sky").glob("*.yaml"))
 
 
-def test_there_is_a_yaml_per_stage_kind():
-    assert {p.name for p in YAMLS} == {"controller.yaml", "explore_worker.yaml", "update.yaml"}
+def test_there_is_a_yaml_per_worker_kind():
+    assert {p.name for p in YAMLS} == {"controller.yaml", "explorer.yaml", "trainer.yaml"}
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
@@ -45,14 +46,12 @@ def test_every_yaml_parses_with_skypilot_and_passes_the_project_check(path):
         assert all(r.use_spot and r.cloud is None for r in task.resources) and len(task.resources) >= 4
         assert all(r.job_recovery["strategy"] == "EAGER_NEXT_REGION" and r.job_recovery["max_restarts_on_errors"] >= 1
                    for r in task.resources)
-        assert "SKYPILOT_TASK_ID" in task.run
-    if path.name == "update.yaml":
-        assert "ITERATION" in task.envs and "SKYPILOT_NODE_IPS" in task.run and "accelerate launch" in task.run
-        assert "spotlight\" stage update --run \"$RUN_URL\" --iteration \"$ITERATION\"" in task.run.replace(
-            "$(command -v spotlight)", "spotlight")
+        assert "SKYPILOT_TASK_ID" in task.run and {"SPOTLIGHT_SLOT", "IDLE_EXIT"} <= set(task.envs)
+        kind = path.stem
+        assert f'spotlight worker --kind {kind} --run "$RUN_URL" --idle-exit "$IDLE_EXIT"' in task.run
 
 
-def _bad(tmp_path: Path, old: str, new: str, src: str = "update.yaml") -> Path:
+def _bad(tmp_path: Path, old: str, new: str, src: str = "trainer.yaml") -> Path:
     text = (REPO / "sky" / src).read_text()
     assert old in text
     path = tmp_path / src
@@ -64,11 +63,12 @@ def _bad(tmp_path: Path, old: str, new: str, src: str = "update.yaml") -> Path:
     ("accelerators: L4:1", "accelerators: L40X:1", "unknown accelerator 'L40X'"),
     ("strategy: EAGER_NEXT_REGION", "strategy: EAGER_NEXT_PLANET", "invalid job_recovery strategy 'EAGER_NEXT_PLANET'"),
     ("    max_restarts_on_errors: 3\n", "", "lacks max_restarts_on_errors"),
-    ('  RUN_URL: ""                 # required: the s3:// run store\n', "", "missing required env 'RUN_URL'"),
-    ('  ITERATION: ""', '  ITERATIONS: ""', "missing required env 'ITERATION'"),
+    ('  RUN_URL: ""         # required: the s3:// run store (the launcher sets it)\n', "",
+     "missing required env 'RUN_URL'"),
+    ('  SPOTLIGHT_SLOT: ""', '  SPOTLIGHT_SLOTS: ""', "missing required env 'SPOTLIGHT_SLOT'"),
     ("  AWS_SECRET_ACCESS_KEY: null", "  AWS_SECRET_ACCESS_KEY: abc123", "has an inline value"),
     ("  use_spot: true\n", "  use_spot: true\n  cloud: aws\n", "pins a cloud"),
-    ("num_nodes: 1", "num_nodes: 1\nnum_gpus: 8", "SkyPilot rejects it"),  # not a task key
+    ("workdir: .", "workdir: .\nnum_gpus: 8", "SkyPilot rejects it"),  # not a task key
 ])
 def test_bad_yamls_are_rejected_with_a_clear_message(tmp_path, old, new, message):
     path = _bad(tmp_path, old, new)
@@ -79,7 +79,7 @@ def test_bad_yamls_are_rejected_with_a_clear_message(tmp_path, old, new, message
 
 def test_unknown_accelerator_is_one_skypilot_itself_accepts(tmp_path):
     """Why the project check exists: SkyPilot's parser takes any accelerator name and strategy."""
-    path = _bad(tmp_path, "strategy: EAGER_NEXT_REGION", "strategy: NOPE", "explore_worker.yaml")
+    path = _bad(tmp_path, "strategy: EAGER_NEXT_REGION", "strategy: NOPE", "explorer.yaml")
     path.write_text(path.read_text().replace("L4:1", "Z100:1"))
     sky.Task.from_yaml(str(path))  # no error from SkyPilot
     assert "Z100" not in catalog_accelerators(FIXTURE) and "L4" in catalog_accelerators(FIXTURE)
@@ -98,7 +98,7 @@ def _rows(cloud: str) -> list[dict[str, str]]:
 
 
 def test_optimizer_picks_the_cheapest_spot_offer_of_the_catalog():
-    wanted = {"L4", "A10G", "A100", "H100"}  # explore_worker.yaml's any_of, one GPU each
+    wanted = {"L4", "A10G", "A100", "H100"}  # explorer.yaml's any_of, one GPU each
     # By hand: whole-VM clouds (AWS, Azure) price GPU + host in one row.
     vm_rows = [(float(r["SpotPrice"]), cloud, r["InstanceType"])
                for cloud in ("aws", "azure") for r in _rows(cloud)
@@ -112,7 +112,7 @@ def test_optimizer_picks_the_cheapest_spot_offer_of_the_catalog():
     gcp_host = min(float(r["SpotPrice"]) for r in gcp if r["InstanceType"] and r["SpotPrice"])
     assert gcp_gpu + gcp_host > hand_min[0]  # (Lambda has no spot market)
 
-    path = REPO / "sky" / "explore_worker.yaml"
+    path = REPO / "sky" / "explorer.yaml"
     offers = cheapest_offers([path], FIXTURE)[str(path)]
     spot, on_demand = offers["spot"], offers["on_demand"]
     assert spot.use_spot and not on_demand.use_spot
@@ -124,15 +124,60 @@ def test_optimizer_picks_the_cheapest_spot_offer_of_the_catalog():
 def test_plan_cli_prints_spot_vs_on_demand_and_uses_the_run_ledger(tmp_path):
     store = RunStore(f"file://{tmp_path}/run")
     for it in range(2):
-        cost.record(store, "update", it, 360, 0.0, "local")  # 0.1 h per iteration
+        cost.record(store, "update", it, 360, 0.0, "local", kind="trainer")  # 0.1 h of trainer time per iteration
     result = CliRunner().invoke(app, ["plan", "--run", store.url])
     assert result.exit_code == 0, result.output
     out = result.output
-    assert f"stage update ({REPO}/sky/update.yaml): 0.100 h per iteration (ledger of {store.url})" in out
-    assert "stage explore" in out and "0.250 h per iteration (default)" in out
-    for stage_block in out.split("stage ")[1:]:
-        spot = float(stage_block.split("spot ")[1].split("$")[1].split("/h")[0])
-        od = float(stage_block.split("on-demand ")[1].split("$")[1].split("/h")[0])
-        ratio = float(stage_block.split("price ratio ")[1].split()[0])
+    assert f"trainer ({REPO}/sky/trainer.yaml): 0.100 h per iteration (ledger of {store.url})" in out
+    assert f"explorer ({REPO}/sky/explorer.yaml): 0.250 h per iteration (default)" in out
+    for block in out.split("\n\n")[0].split(" h per iteration")[1:]:
+        spot = float(block.split("spot ")[1].split("$")[1].split("/h")[0])
+        od = float(block.split("on-demand ")[1].split("$")[1].split("/h")[0])
+        ratio = float(block.split("price ratio ")[1].split()[0])
         assert spot < od and ratio == pytest.approx(spot / od, abs=1e-3)
     assert "per iteration: spot $" in out and "on-demand $" in out
+
+
+def test_plan_prices_the_placement_of_a_config():
+    """What the launcher launches is the YAML with placement's resources: plan prices that too."""
+    result = CliRunner().invoke(app, ["plan", "--config", str(REPO / "configs/tiny.yaml"),
+                                      "--set", "placement.explorer.accelerators=[A10G:1]",
+                                      "--set", "placement.trainer.use_spot=false"])
+    assert result.exit_code == 0, result.output
+    explorer = result.output.split("explorer (")[1].split("trainer (")[0]
+    assert "(A10G:1)" in explorer.split("spot ")[1].split("\n")[0]
+
+
+DOC_COMMAND = re.compile(r"^(sky (?:jobs )?launch) (?:-[nc] \S+ )?(sky/\w+\.yaml)((?:\s+--(?:env|secret) \S+)*)", re.M)
+
+
+def test_sky_launch_and_sky_jobs_launch_both_take_the_yamls_as_documented():
+    """Each `sky launch` / `sky jobs launch` command in docs/cloud.md, parsed the way SkyPilot's CLI parses
+    its arguments (its own entrypoint-to-task function), gives a task with the envs and secrets set."""
+    from sky.client.cli import command, flags
+
+    doc = (REPO / "docs" / "cloud.md").read_text().replace("\\\n", " ")
+    found = {(m.group(1), m.group(2)) for m in DOC_COMMAND.finditer(doc)}
+    assert {("sky launch", "sky/trainer.yaml"), ("sky jobs launch", "sky/trainer.yaml"),
+            ("sky jobs launch", "sky/explorer.yaml"), ("sky launch", "sky/controller.yaml")} <= found, found
+    env = {"AWS_ACCESS_KEY_ID": "AKIADOC", "AWS_SECRET_ACCESS_KEY": "doc-secret-0123456789",
+           "SKYPILOT_API_SERVER_ENDPOINT": "http://127.0.0.1:46580"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for m in DOC_COMMAND.finditer(doc):
+            args = m.group(3).split()
+            envs = [flags._parse_env_var(v.replace("$RUN", "s3://b/runs/r")) for k, v in zip(args, args[1:]) if k == "--env"]
+            secrets = [flags._parse_secret_var(v) for k, v in zip(args, args[1:]) if k == "--secret"]
+            task = command._make_task_or_dag_from_entrypoint_with_overrides(
+                (str(REPO / m.group(2)),), env=envs, secret=secrets)
+            assert task.envs["RUN_URL"].startswith("s3://"), m.group(0)
+            assert {k for k, _ in secrets} <= set(task.secrets), m.group(0)
+            if m.group(2) != "sky/controller.yaml":
+                assert all(r.job_recovery for r in task.resources)  # used by `sky jobs launch`; `sky launch` ignores it
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

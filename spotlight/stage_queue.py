@@ -1,0 +1,232 @@
+"""GPU stages as work on the run store's queue: the flow posts a stage, a long-lived trainer pulls it.
+
+Why: a stage that starts its own machine pays provisioning, setup and model loading every time (minutes
+on a cloud) for work that may take one. Here the trainer workers (``spotlight worker --kind trainer``)
+are started once per run and once per preemption; each stage of each iteration is a small work item
+they claim, run and commit, with the same create-only claims and leases as exploration
+(:mod:`spotlight.work_queue`).
+
+Layout, under the run store::
+
+    stages/{stage}-{t:04d}-a{NN}/            attempt NN of a stage: a WorkQueue with one item, one unit
+    stages/{stage}-{t:04d}-a{NN}/failed.json the attempt failed: worker, error, traceback tail (create-only)
+    pool/done.json                           the flow is over: workers exit
+    pool/broken.json                         a worker could not be kept alive: waiting stages fail with it
+    pool/slots/{slot}.json                   a worker slot's instance and price (written by the pool)
+
+Posting is idempotent: ``post`` returns the newest attempt unless it failed, so a Prefect retry or a
+restarted flow waits on the work in flight instead of starting it twice; a failed attempt is final and
+the next ``post`` makes a new one (stages are idempotent, so it resumes from the last commit). The
+waiting side (``wait``) returns the done marker's result, or raises ``StageFailed`` with the worker's
+error. A stage that a preempted trainer abandoned is released (SIGTERM) or its lease expires (kill -9),
+and the next trainer claims it; a trainer that restarts under the same name releases its own leases
+first (``WorkQueue.release_stale``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
+from spotlight.work_queue import WorkQueue
+
+STAGE_PREFIX = "stages"
+TRAINER_STAGES = ("pretrain", "evaluate", "ranking", "update")  # the order a trainer takes open requests in
+POOL_DONE, POOL_BROKEN, POOL_SLOTS = "pool/done.json", "pool/broken.json", "pool/slots"
+_REQUEST = re.compile(r"([a-z]+)-(\d{4})-a(\d{2})")
+
+
+class StageFailed(RuntimeError):
+    """A posted stage's attempt failed on a worker (or the pool could not keep one alive)."""
+
+    def __init__(self, message: str, record: dict[str, Any]):
+        super().__init__(message)
+        self.record = record
+
+
+def default_poll_seconds(store: RunStore) -> float:
+    """How often to look at the queue: a local disk is cheap to poll, S3 requests cost ~20 ms and money.
+    ``SPOTLIGHT_POLL_SECONDS`` overrides it (e.g. an S3-compatible server on the same machine)."""
+    if os.environ.get("SPOTLIGHT_POLL_SECONDS"):
+        return float(os.environ["SPOTLIGHT_POLL_SECONDS"])
+    return 0.02 if store.is_local else 0.5
+
+
+@dataclass
+class StageRequest:
+    """One attempt of one stage of one iteration, as posted on the run store."""
+
+    store: RunStore
+    stage: str
+    iteration: int
+    attempt: int
+    lease_seconds: float = 60.0
+
+    @property
+    def prefix(self) -> str:
+        return f"{STAGE_PREFIX}/{self.name}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}-{self.iteration:04d}-a{self.attempt:02d}"
+
+    @property
+    def item_id(self) -> str:
+        return f"{self.stage}-{self.iteration:04d}"
+
+    @property
+    def item(self) -> dict[str, Any]:
+        return {"id": self.item_id, "units": [self.item_id], "stage": self.stage, "iteration": self.iteration,
+                "attempt": self.attempt}
+
+    def queue(self) -> WorkQueue:
+        return WorkQueue(self.store, self.prefix, lease_seconds=self.lease_seconds)
+
+    def done(self) -> dict[str, Any] | None:
+        """The done marker (worker, epoch, results), once a worker completed the stage."""
+        try:
+            return self.store.get_json(f"{self.prefix}/done/{self.item_id}")
+        except StoreError:
+            return None
+
+    def failure(self) -> dict[str, Any] | None:
+        try:
+            return self.store.get_json(f"{self.prefix}/failed.json")
+        except StoreError:
+            return None
+
+    def fail(self, worker: str, error: BaseException, **extra: Any) -> dict[str, Any]:
+        """Record why this attempt failed (create-only: the first failure is the attempt's). The waiting
+        task raises it; trainers take no failed attempt again."""
+        tail = "".join(traceback.format_exception(type(error), error, error.__traceback__))[-4000:]
+        record = {"stage": self.stage, "iteration": self.iteration, "attempt": self.attempt, "worker": worker,
+                  "error": f"{type(error).__name__}: {error}", "traceback_tail": tail, "at": time.time(), **extra}
+        try:
+            self.store.create_bytes(f"{self.prefix}/failed.json", json_bytes(record))
+        except AlreadyExistsError:
+            pass
+        return record
+
+
+def attempts(store: RunStore, stage: str, t: int) -> list[int]:
+    head = f"{stage}-{t:04d}-a"
+    return sorted(int(n[len(head):]) for n in store.list(STAGE_PREFIX) if n.startswith(head) and n[len(head):].isdigit())
+
+
+def post(store: RunStore, stage: str, t: int, lease_seconds: float) -> StageRequest:
+    """Post a stage (idempotent): the newest attempt if it has not failed, else a new attempt."""
+    if stage not in TRAINER_STAGES:
+        raise ValueError(f"stage {stage!r} is not trainer work; trainer stages: {', '.join(TRAINER_STAGES)}")
+    tried = attempts(store, stage, t)
+    if tried:
+        newest = StageRequest(store, stage, t, tried[-1], lease_seconds)
+        if newest.failure() is None and newest.queue().published():
+            return newest
+    request = StageRequest(store, stage, t, (tried[-1] + 1) if tried else 1, lease_seconds)
+    request.queue().publish([request.item])
+    return request
+
+
+def wait(request: StageRequest, poll_seconds: float | None = None,
+         on_poll: Callable[[], None] | None = None, timeout_seconds: float | None = None) -> dict[str, Any]:
+    """Wait for the stage's done marker and return it; raise StageFailed with the worker's error if the
+    attempt failed, or with the pool's reason if a worker could not be kept alive (``on_poll``, called
+    about once a second, may raise too; ``timeout_seconds``: TimeoutError after that long)."""
+    poll = default_poll_seconds(request.store) if poll_seconds is None else poll_seconds
+    checks, deadline = 0, None if timeout_seconds is None else time.monotonic() + timeout_seconds
+    while True:
+        done = request.done()
+        if done is not None:
+            return done
+        failed = request.failure()
+        if failed is not None:
+            raise StageFailed(f"{request.stage} of iteration {request.iteration} (attempt {request.attempt}) failed "
+                              f"on worker {failed['worker']}: {failed['error']}\n"
+                              f"--- the worker's traceback (tail) ---\n{failed['traceback_tail'].rstrip()}", failed)
+        if checks % max(1, int(1.0 / max(poll, 1e-3))) == 0:  # about once a second
+            broken = pool_broken(request.store)
+            if broken is not None:
+                raise StageFailed(f"{request.stage} of iteration {request.iteration} cannot run: the worker pool is "
+                                  f"broken: {broken['reason']}", broken)
+            if on_poll is not None:
+                on_poll()
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{request.name} not done within {timeout_seconds:g} s")
+        checks += 1
+        time.sleep(poll)
+
+
+def open_requests(store: RunStore, final: set[str] | None = None) -> list[StageRequest]:
+    """Posted attempts that are neither done nor failed, in the order trainers take them. ``final``
+    caches the names found done or failed (they never reopen), so a long run's history is read once."""
+    final = set() if final is None else final
+    out = []
+    for name in store.list(STAGE_PREFIX):
+        m = _REQUEST.fullmatch(name)
+        if not m or name in final:
+            continue
+        request = StageRequest(store, m.group(1), int(m.group(2)), int(m.group(3)))
+        if request.failure() is not None or store.exists(f"{request.prefix}/done/{request.item_id}"):
+            final.add(name)
+            continue
+        if request.queue().published():
+            out.append(request)
+    order = {s: i for i, s in enumerate(TRAINER_STAGES)}
+    return sorted(out, key=lambda r: (r.iteration, order.get(r.stage, 99), r.attempt))
+
+
+# -- the pool's markers ---------------------------------------------------------------------------
+def pool_done(store: RunStore) -> bool:
+    return store.exists(POOL_DONE)
+
+
+def mark_pool_done(store: RunStore, reason: str) -> None:
+    store.put_json(POOL_DONE, {"reason": reason, "at": time.time()})
+
+
+def reset_pool(store: RunStore) -> None:
+    """A flow starting (or resuming) the run: workers are wanted again."""
+    store.delete(POOL_DONE)
+    store.delete(POOL_BROKEN)
+
+
+def mark_pool_broken(store: RunStore, slot: str, reason: str) -> None:
+    store.put_json(POOL_BROKEN, {"slot": slot, "reason": reason, "at": time.time()})
+
+
+def pool_broken(store: RunStore) -> dict[str, Any] | None:
+    try:
+        return store.get_json(POOL_BROKEN)
+    except StoreError:
+        return None
+
+
+def write_slot(store: RunStore, slot: str, record: dict[str, Any]) -> None:
+    """What the pool knows of a worker slot's current instance (kind, instance, price, where from)."""
+    store.put_json(f"{POOL_SLOTS}/{slot}.json", record)
+
+
+def read_slot(store: RunStore, slot: str) -> dict[str, Any] | None:
+    try:
+        return store.get_json(f"{POOL_SLOTS}/{slot}.json")
+    except StoreError:
+        return None
+
+
+def is_committed(run: Any, stage: str, t: int) -> bool:
+    """Whether a trainer stage's step is in the store already (then there is nothing to post)."""
+    if stage == "pretrain":
+        from spotlight.stages import DIGIT_REWARDS
+
+        classifiers = not (set(DIGIT_REWARDS) & set(run.cfg.rewards.names())) or run.cache.is_committed(run.classifiers_key)
+        return classifiers and (not run.pretrains_base or run.cache.is_committed(f"{run.base_key}/final"))
+    if stage == "evaluate":
+        from spotlight.stages import evaluation_key
+
+        return run.store.is_committed(evaluation_key(run, t))
+    return run.store.is_committed(run.key(stage, t))

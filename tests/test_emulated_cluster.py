@@ -1,0 +1,213 @@
+"""The cloud path end to end on an emulated cluster: a real ``spotlight run`` controller with
+``SPOTLIGHT_LAUNCHER=sky`` keeps its worker pool as "managed jobs" of ``tests/emulated_cluster.py``
+(real local processes of the YAMLs' own ``run:`` commands, preempted on a schedule replayed from the
+real spot traces in ``sky/traces``, recovered as EAGER_NEXT_REGION would), against a moto S3 run store.
+
+What it shows: at least 5 preemptions across the trainer and the explorers during a 6-iteration
+spotlight run; the final policy bit-identical to an undisturbed local run; every exploration unit
+recorded exactly once with the clean run's result, and every stage committed once (the queue's
+records); each worker launched once and started again once per preemption, never per iteration;
+and a ledger whose entries carry the instance and the catalog price SkyPilot's record names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import boto3
+import pytest
+
+from spotlight import cost
+from spotlight.simulate import load_traces
+from spotlight.store import RunStore
+from tests.conftest import REPO, SMALL, cli_env, spotlight_cmd
+from tests.emulated_cluster import EmulationError, capacity_schedule, load_spec, read_events
+from tests.test_s3_store import Moto
+
+BUCKET = "spotlight-emulated"
+TRACES = REPO / "sky" / "traces" / "aws-v100-1node-2023-04-22"
+RECIPE = [*SMALL, "grpo.iterations=6", "exploration.mode=spotlight", "evaluation.every=3",
+          "exploration.ranking_every=3", "exploration.candidates_per_prompt=8", "exploration.seeds_per_batch=4",
+          "exploration.extra_prompts=2"]
+FINAL = "iterations/0005/update"
+# The replay: 30 trace minutes per real second. Each job starts at a tick of its zone's trace where its
+# next drops come within the first 26 s after launch (recomputed and checked below): early enough to
+# fall inside the run on a fast, idle machine (the trainer's second recovery alone outlasts the last
+# one), and none after that window, so on a slow, busy machine, where a drop may hit a worker still
+# booting, the run cannot livelock. One trainer and one explorer: five preemptions, and fewer
+# processes booting at once on a small machine.
+COMPRESS, RECOVERY, GRACE, WINDOW = 1800.0, 1.0, 3.0, 26.0
+JOBS = {"trainer-0": {"zone": "us-east-1f", "start_tick": 4964},   # drops at ~10.8 s and ~18.4 s
+        "explorer-0": {"zone": "us-west-2c", "start_tick": 4593}}  # ~9.7 s, ~17.4 s and ~25.0 s
+
+
+@pytest.fixture(scope="module")
+def moto():
+    env = {"AWS_ACCESS_KEY_ID": "AKIAEMULATEDCLUSTER", "AWS_SECRET_ACCESS_KEY": "emulated+cluster+secret0123456789",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    server = Moto()
+    env["AWS_ENDPOINT_URL"] = server.endpoint
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    server.start()
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _spec(tmp: Path, **changes) -> Path:
+    spec = {"traces": str(TRACES), "compress": COMPRESS, "recovery_seconds": RECOVERY, "grace_seconds": GRACE,
+            "preempt_window_seconds": WINDOW, "logdir": str(tmp / "cluster"), "jobs": JOBS, **changes}
+    path = tmp / "cluster.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def planned_preemptions() -> dict[str, list[float]]:
+    traces = load_traces(TRACES)
+    return {slot: [s.end for s in capacity_schedule(traces, j["zone"], j["start_tick"], COMPRESS, RECOVERY, WINDOW)
+                   if not math.isinf(s.end)] for slot, j in JOBS.items()}
+
+
+def _queue_records(store: RunStore, prefix: str) -> dict:
+    """What a queue's objects say: per item, its units, the recorded units and results, the lease epochs,
+    and the done marker."""
+    items = store.load(f"{prefix}/items").json("items.json")
+    out = {}
+    for item in items:
+        recorded = {u: store.get_json(f"{prefix}/units/{item['id']}/{u}") for u in store.list(f"{prefix}/units/{item['id']}")}
+        leases = store.list(f"{prefix}/leases/{item['id']}")
+        out[item["id"]] = {"units": item["units"], "recorded": recorded,
+                           "epochs": sorted({int(n.split("-")[0]) for n in leases}),
+                           "released": sum(n.endswith("-released") for n in leases),
+                           "done": store.get_json(f"{prefix}/done/{item['id']}")}
+    return out
+
+
+def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(tmp_path, cache_url, moto):
+    plan = planned_preemptions()
+    print("planned preemptions (s after each job's launch):", {k: [round(x, 1) for x in v] for k, v in plan.items()})
+    assert sum(len(v) for v in plan.values()) >= 5 and all(len(v) >= 2 for v in plan.values())
+
+    t0 = time.monotonic()
+    clean = tmp_path / "clean"
+    local_env = {**cli_env(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}  # a busy machine
+    result = subprocess.run(spotlight_cmd("run", overrides=[*RECIPE, f"run.cache_url={cache_url}", f"run.url=file://{clean}",
+                                                            "placement.explorer.workers=0"]),
+                            cwd=tmp_path, env=local_env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    clean_seconds = time.monotonic() - t0
+
+    url = f"s3://{BUCKET}/runs/emulated"
+    env = {**local_env, "PYTHONPATH": str(REPO), "SPOTLIGHT_LAUNCHER": "sky",
+           "SPOTLIGHT_SKY_JOBS": "tests.emulated_cluster:EmulatedSkyJobs", "EMULATED_CLUSTER": str(_spec(tmp_path)),
+           "SPOTLIGHT_POOL_POLL_SECONDS": "0.5", "SPOTLIGHT_POLL_SECONDS": "0.1",
+           "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "HOME": str(tmp_path / "home")}
+    placement = ["placement.trainer.workers=1", "placement.explorer.workers=1", "placement.lease_seconds=4",
+                 "placement.stall_seconds=20", "placement.trainer.accelerators=[L4:1,A10G:1]",
+                 "placement.explorer.accelerators=[A10G:1,L4:1]"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(spotlight_cmd("run", overrides=[*RECIPE, f"run.cache_url={cache_url}", f"run.url={url}",
+                                                            *placement]),
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=540)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    emulated_seconds = time.monotonic() - t0
+    events = read_events(tmp_path / "cluster")
+    assert proc.returncode == 0, out[-5000:] + "\n" + "\n".join(map(json.dumps, events[-20:]))
+
+    # -- the preemptions, and a pool that launched each worker once --------------------------------
+    preempts = [e for e in events if e["event"] == "preempt"]
+    starts = Counter(e["slot"] for e in events if e["event"] == "start")
+    launches = Counter(e["slot"] for e in events if e["event"] == "launch")
+    print(f"clean local run {clean_seconds:.0f} s; emulated cloud run {emulated_seconds:.0f} s with "
+          f"{len(preempts)} preemptions: " + ", ".join(f"{e['slot']} at +{e['t'] - events[0]['t']:.0f}s ({e['how']})"
+                                                        for e in preempts))
+    assert len(preempts) >= 5, f"only {len(preempts)} preemptions happened during the run"
+    assert {e["slot"] for e in preempts} >= {"trainer-0"} and any(e["slot"].startswith("explorer") for e in preempts)
+    assert launches == {"trainer-0": 1, "explorer-0": 1}, "one launch per worker, not per iteration"
+    by_slot = Counter(e["slot"] for e in preempts)
+    assert not [e for e in events if e["event"] == "error-exit"]
+    assert starts == {slot: 1 + by_slot[slot] for slot in launches}, "a process start per launch and per preemption"
+    assert [e["slot"] for e in events if e["event"] == "exit"], "workers left when the run was over"
+
+    # -- the same policy, bit for bit ------------------------------------------------------------------
+    store, ref = RunStore(url), RunStore(f"file://{clean}")
+    for obj in ("policy.safetensors", "optimizer.safetensors"):
+        assert store.load(FINAL).read(obj) == ref.load(FINAL).read(obj), f"{obj} differs from the clean run"
+
+    # -- every unit recorded once, with the clean run's result; every stage committed once -------------
+    reclaimed = released = 0
+    for name in store.list("queues"):
+        mine, theirs = _queue_records(store, f"queues/{name}"), _queue_records(ref, f"queues/{name}")
+        assert mine.keys() == theirs.keys()
+        for item, rec in mine.items():
+            assert sorted(rec["recorded"]) == sorted(rec["units"]), f"{name}/{item}: a unit was lost"
+            results = {u: r["result"] for u, r in rec["recorded"].items()}
+            assert rec["done"]["results"] == results, f"{name}/{item}: the done marker disagrees with its units"
+            assert {u: r["rewards"] for u, r in results.items()} == \
+                {u: r["result"]["rewards"] for u, r in theirs[item]["recorded"].items()}, f"{name}/{item}: other rewards"
+            reclaimed += rec["epochs"][-1] > 0
+            released += rec["released"]
+        t = int(name.removeprefix("explore-"))
+        table = store.load(f"iterations/{t:04d}/explore").json("explored.json")
+        plan_counts = store.load(f"iterations/{t:04d}/explore").json("plan.json")["counts"]
+        assert [len(s) for s in table["seeds"]] == plan_counts and all(len(set(s)) == len(s) for s in table["seeds"])
+    stage_names = store.list("stages")
+    assert all(n.endswith("-a01") for n in stage_names), f"a stage attempt failed: {stage_names}"
+    stage_epochs = {n: sorted({int(x.split("-")[0]) for x in store.list(f"stages/{n}/leases/{n[:-4]}")})
+                    for n in stage_names}
+    assert all(store.exists(f"stages/{n}/done/{n[:-4]}") for n in stage_names)
+    print(f"exploration items re-claimed after a preemption: {reclaimed}, released on SIGTERM: {released}; "
+          f"stages claimed again: {[n for n, e in stage_epochs.items() if e[-1] > 0]}")
+
+    # -- the ledger: every attempt with its instance and the catalog price of what SkyPilot gave it ----
+    entries = cost.ledger(store)
+    work = [e for e in entries if e["stage"] in ("pretrain", "update", "evaluate", "ranking", "explore")]
+    assert work and all(e["price_per_hour"] > 0 and e["instance"].startswith("AWS/") for e in work), \
+        [(e["stage"], e["instance"], e["price_per_hour"]) for e in work if e["price_per_hour"] <= 0][:5]
+    assert {e["iteration"] for e in work if e["stage"] == "update" and e["outcome"] == "ok"} == set(range(6))
+    preempted = [e for e in entries if e.get("outcome") == "preempted"]
+    print(f"ledger: {len(entries)} entries, ${cost.total(store):.4f}; preempted attempts: "
+          + ", ".join(f"{e['stage']}-{e['iteration']} {e['seconds']:.1f}s" for e in preempted))
+    summary = json.loads(store.read_bytes("report/summary.json"))
+    assert summary["cost_usd"] == pytest.approx(cost.total(store)) and summary["cost_by_stage"]["update"]["attempts"] >= 6
+
+
+def test_emulated_cluster_bad_traces_fail_at_once_naming_them(tmp_path):
+    with pytest.raises(EmulationError, match="no such folder"):
+        load_spec(_spec(tmp_path, traces=str(tmp_path / "nowhere")))
+    broken = tmp_path / "traces"
+    broken.mkdir()
+    for p in TRACES.glob("*.json"):
+        (broken / p.name).write_text(p.read_text())
+    (broken / "us-west-2b_v100_1.json").write_text('{"metadata": {"gap_seconds": 32}, "data": [1, 1, "x"]}')
+    with pytest.raises(EmulationError, match=r"us-west-2b_v100_1.json: data\[2\] = 'x'"):
+        load_spec(_spec(tmp_path, traces=str(broken)))
+    (broken / "us-west-2b_v100_1.json").unlink()
+    (broken / "us-west-2c_v100_1.json").unlink()  # the explorer's zone
+    with pytest.raises(EmulationError, match="no spot trace for zone.s. us-west-2c in"):
+        load_spec(_spec(tmp_path, traces=str(broken)))
+    with pytest.raises(EmulationError, match="no such file"):
+        load_spec(tmp_path / "missing.json")
+    with pytest.raises(EmulationError, match="start_tick 99999 is outside the trace of us-west-2b"):
+        capacity_schedule(load_traces(TRACES), "us-west-2b", 99999, COMPRESS, RECOVERY, WINDOW)
+    with pytest.raises(EmulationError, match="no spot trace for zone 'eu-north-1a'"):
+        capacity_schedule(load_traces(TRACES), "eu-north-1a", 0, COMPRESS, RECOVERY, WINDOW)
