@@ -35,7 +35,7 @@ def cli_env(tmp: Path) -> dict[str, str]:
     """A subprocess environment: one thread (deterministic, no oversubscription), a private Prefect home."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PREFECT_HOME=str(tmp / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_LOGGING_LEVEL="WARNING")
+               PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
     env.pop("PREFECT_API_URL", None)
     return env
 
