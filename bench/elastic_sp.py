@@ -173,7 +173,7 @@ def main() -> None:
     cfg_path = args.out / "run.yaml"
     cfg_path.write_text(f"model: {{kind: {args.kind}, pretrained: {folder}, resolution: 32, max_sequence_length: 32, "
                         "lora: {rank: 4, alpha: 8.0}}\nsampler: {train_steps: 6}\n"
-                        "exploration: {coarsen: 2, lease_seconds: 10}\n")
+                        "exploration: {coarsen: 2}\nplacement: {lease_seconds: 10}\n")
     cfg = load_config(cfg_path)
     store = RunStore(f"file://{args.out}/store")
     policy = build_policy(cfg, "cpu")  # theta_t: a LoRA adapter moved off its zero start, committed to the store

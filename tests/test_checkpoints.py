@@ -29,7 +29,7 @@ def test_keep_last_must_cover_the_stale_policy_exploration_reads():
 
 
 def test_a_pruned_run_resumes_explores_and_evaluates(tmp_path, cache_url):
-    sets = [*SMALL, "grpo.iterations=5", "exploration.mode=spotlight", "exploration.workers=0",
+    sets = [*SMALL, "grpo.iterations=5", "exploration.mode=spotlight", "placement.explorer.workers=0",
             "exploration.candidates_per_prompt=4", "exploration.ranking_every=0", "checkpoint.keep_last=2",
             "checkpoint.keep_every=2", f"run.cache_url={cache_url}", f"run.url=file://{tmp_path}/run"]
     run = open_run(load_config(REPO / "configs/tiny.yaml", sets))

@@ -57,7 +57,7 @@ def pipeline(tmp_path_factory) -> dict:
     shutil.copytree(folder, weightless, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
     cfg_path = root / "run.yaml"
     cfg_path.write_text(f"model: {{kind: flux, pretrained: {folder}, resolution: 32, max_sequence_length: 32}}\n"
-                        "sampler: {train_steps: 6}\nexploration: {coarsen: 2, lease_seconds: 4}\n")
+                        "sampler: {train_steps: 6}\nexploration: {coarsen: 2}\nplacement: {lease_seconds: 4}\n")
     cfg = load_config(cfg_path)
     return {"cfg_path": cfg_path, "cfg": cfg, "weightless": weightless,
             "policy": build_policy(cfg, "cpu").requires_grad_(False).eval()}
@@ -179,7 +179,7 @@ def test_elastic_group_survives_kill_join_and_leave(tmp_path, pipeline):
 
 def test_killed_leader_item_returns_after_its_lease(tmp_path, pipeline):
     """The leader holds the lease and hosts the generation's store: when it dies, the survivors regroup
-    under a new leader, and its item comes back when the lease expires (exploration.lease_seconds)."""
+    under a new leader, and its item comes back when the lease expires (placement.lease_seconds)."""
     store = RunStore(f"file://{tmp_path}/store")
     queue = WorkQueue(store, "explore")
     queue.publish(make_items(PROMPTS[:2], [[500 + k for k in range(8)], [600 + k for k in range(8)]], SEEDS_PER_ITEM))

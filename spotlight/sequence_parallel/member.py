@@ -106,7 +106,7 @@ class Member:
         self.cfg, self.sp, self.store, self.policy, self.device = cfg, sp, store, policy, device
         self.member = member
         self.stop = stop or threading.Event()
-        self.queue = WorkQueue(store, queue_prefix, lease_seconds=cfg.exploration.lease_seconds)
+        self.queue = WorkQueue(store, queue_prefix, lease_seconds=cfg.placement.lease_seconds)
         self.group_prefix = group_prefix.strip("/")
         n_heads, lengths = context.heads(policy), context.sequence_lengths(policy)
         self.rdv = Rendezvous(store, group_prefix, member, sp,
