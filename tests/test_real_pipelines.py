@@ -126,7 +126,7 @@ def test_spotlight_run_explores_trains_a_lora_with_guidance_and_evaluates(kind, 
         metrics = store.load(f"iterations/{t:04d}/update").json("metrics.json")
         assert metrics["first_log_ratio"] <= 1e-6, "rollout and training see one policy (ratio 1)"
         assert metrics["prompts_trained"] == 2 and metrics["optimizer_steps"] == 2
-    assert any(name.startswith("local-0") for name in store.list("workers")), "a worker process explored"
+    assert any(name.startswith("local-explorer-") for name in store.list("workers")), "an explorer process ran"
     evals = [store.load(f"evaluations/{t:04d}").json("metrics.json") for t in range(3)]
     assert [e["prompts"] for e in evals] == [TEST] * 3
     assert evals[0]["eval_reward"] != evals[2]["eval_reward"], "the policy moved"
