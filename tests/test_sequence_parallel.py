@@ -52,6 +52,7 @@ from spotlight.sequence_parallel.member import group_prefix, seed_records
 from spotlight.sequence_parallel.rendezvous import Rendezvous
 from spotlight.store import bytes_to_tensors
 from spotlight.work_queue import WorkQueue
+from tasks.workers import worker_pool
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -284,3 +285,23 @@ def test_killed_leader_unit_resumes_from_its_last_committed_seed(tmp_path, parts
     interrupted = [u for u, recs in seeds.items() if {r["generation"] for r in recs.values()} == {0, 1}]
     assert [sorted(r["members"][0] for r in seeds[u].values()) for u in interrupted] == \
         [["m0", "m0", gens[1].members[0], gens[1].members[0]]]  # two seeds before the kill, two after
+
+
+def test_the_local_pool_runs_an_sp_explorer_group(tmp_path, parts):
+    """``placement.sequence_parallel.degree: 2``: the pool's explorer slot is the group's launcher (the
+    real one: generated member names, the ready record, SIGTERM passed on), whose members explore."""
+    run = make_run(parts, tmp_path / "run", degree=2)
+    with worker_pool(run.cfg) as pool:
+        assert pool.command("local-explorer-0")[:3] == [sys.executable, "-m", "spotlight.sequence_parallel.launch"]
+        stages.explore(run, 0, pool=True)
+        launcher = pool.procs["local-explorer-0"]
+    assert launcher.returncode == 0, pool.log_tail("local-explorer-0")
+    ready = run.store.get_json("workers/local-explorer-0.json")
+    assert ready["pid"] == launcher.pid and len(ready["members"]) == 2
+    group = Rendezvous(run.store, group_prefix("local-explorer-0"), "observer", SequenceParallelSection(),
+                       lambda d: True)
+    assert group.generations()[0].members == tuple(sorted(ready["members"]))
+    queue = exploration.queue_for(run, 0)
+    assert queue.drained() and {queue.done_by(it["id"]) for it in queue.items()} == {"sp-local-explorer-0"}
+    stats = [run.store.get_json(f"{group_prefix('local-explorer-0')}/stats/{m}") for m in ready["members"]]
+    assert sum(s["units"] for s in stats) == sum(len(it["units"]) for it in queue.items())
