@@ -256,6 +256,10 @@ class ExplorationSection(Section):
     ranking_prompts: int = Field(2, ge=1)
 
 
+#: model kinds whose diffusers transformer has a ``_cp_plan`` (FluxTransformer2DModel, QwenImageTransformer2DModel)
+SEQUENCE_PARALLEL_KINDS = ("flux", "qwen-image")
+
+
 class SequenceParallelSection(Section):
     """One rollout of a high-resolution image shared by several GPUs (diffusers' context parallelism),
     as an elastic group of persistent processes (spotlight.sequence_parallel; docs/sequence_parallel.md)."""
@@ -461,6 +465,11 @@ class Config(Section):
             raise ValueError(
                 f"exploration.candidates_per_prompt ({self.exploration.candidates_per_prompt}) must be >= "
                 f"grpo.group_size ({self.grpo.group_size})")
+        sp = self.placement.sequence_parallel
+        if sp.degree > 1 and self.model.kind not in SEQUENCE_PARALLEL_KINDS:
+            raise ValueError(f"placement.sequence_parallel.degree is {sp.degree}, but model.kind {self.model.kind!r} "
+                             "has no context-parallel plan in diffusers; sequence parallelism shards "
+                             f"{' and '.join(SEQUENCE_PARALLEL_KINDS)} transformers")
         if self.sampler.train_steps % self.exploration.coarsen:
             raise ValueError(f"exploration.coarsen ({self.exploration.coarsen}) must divide sampler.train_steps "
                              f"({self.sampler.train_steps}): a coarse exploration step sums whole training steps' "

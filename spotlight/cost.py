@@ -89,7 +89,8 @@ def total(store: RunStore) -> float:
     return sum(entry_cost(e) for e in ledger(store))
 
 
-NOT_OK = ("failed", "preempted", "lease-lost")  # attempt outcomes that did not finish their work
+NOT_OK = ("failed", "preempted", "lease-lost", "regroup")  # attempt outcomes that did not finish their work
+# (regroup: an SP explorer group released its item to change its membership)
 KIND_OF_STAGE = {"pretrain": "trainer", "update": "trainer", "evaluate": "trainer", "ranking": "trainer",
                  "explore": "explorer"}
 

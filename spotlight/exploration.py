@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from spotlight.config import Config
-from spotlight.sampler import sample_sde
+from spotlight.sampler import Rollout, sample_sde
 from spotlight.seeding import SEED_SPACE, generator
 from spotlight.stage_queue import default_poll_seconds
 from spotlight.store import AlreadyExistsError, json_bytes
@@ -90,15 +90,28 @@ def make_items(prompts: list[str], seeds: list[list[int]], batch: int) -> list[d
     return items
 
 
+def exploration_rollout(cfg: Config, policy, prompts: list[str], seeds: list[int], steps: int | None = None) -> Rollout:
+    """SDE rollouts on the training rollout's noise path, with ``cfg.exploration_steps`` steps (an
+    exploration) or ``steps``: what a plain worker rolls out per batch and an SP group per seed."""
+    return sample_sde(policy, prompts, seeds, steps or cfg.exploration_steps, cfg.sampler.noise_level,
+                      cfg.sampler.guidance, brownian_steps=cfg.sampler.train_steps,
+                      negative_prompt=cfg.sampler.negative_prompt)
+
+
+def unit_rewards(run, images: torch.Tensor, prompt: str) -> list[float]:
+    """Training rewards of one prompt's images, scored as one batch (a unit's, whoever rolled it out)."""
+    return run.weighted_reward("train")(images, [prompt] * len(images)).tolist()
+
+
+def unit_result(seeds: list[int], rewards: list[float], seconds: float) -> dict[str, Any]:
+    """What the queue records for a unit: the same record from a plain worker and an SP group."""
+    return {"seeds": seeds, "rewards": rewards, "seconds": seconds}
+
+
 def rollout_rewards(run, policy, prompt: str, seeds: list[int], steps: int | None = None) -> list[float]:
     """Training rewards of SDE rollouts of ``prompt`` with these seeds, on the training rollout's noise
     path: with ``cfg.exploration_steps`` steps (the default: an exploration batch) or ``steps``."""
-    cfg = run.cfg
-    prompts = [prompt] * len(seeds)
-    rollout = sample_sde(policy, prompts, seeds, steps or cfg.exploration_steps, cfg.sampler.noise_level,
-                         cfg.sampler.guidance, brownian_steps=cfg.sampler.train_steps,
-                         negative_prompt=cfg.sampler.negative_prompt)
-    return run.weighted_reward("train")(rollout.images, prompts).tolist()
+    return unit_rewards(run, exploration_rollout(run.cfg, policy, [prompt] * len(seeds), seeds, steps).images, prompt)
 
 
 def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -108,7 +121,7 @@ def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterat
         seeds = item["batches"][unit]
         started = time.perf_counter()
         rewards = rollout_rewards(run, policy, item["prompt"], seeds)
-        yield unit, {"seeds": seeds, "rewards": rewards, "seconds": time.perf_counter() - started}
+        yield unit, unit_result(seeds, rewards, time.perf_counter() - started)
 
 
 def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], inline: bool,

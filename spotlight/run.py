@@ -161,16 +161,19 @@ def check_inputs(cfg: Config) -> None:
     check_rewards(cfg)
 
 
-def open_run(cfg: Config, progress: Progress = no_progress, computes: bool = True) -> Run:
+def open_run(cfg: Config, progress: Progress = no_progress, computes: bool = True,
+             device: torch.device | None = None) -> Run:
     """Open (or start) the run at cfg's URL. A run keeps the recipe it started with: another is an error.
     Placement (where workers run) and evaluation.target may differ; a placement change is recorded.
 
     The store URL itself is not part of the comparison: a run may be opened from wherever its store is,
     and ``run.device: auto`` resolves per machine (same numbers for the same device type).
     ``computes`` False: this process only reads and writes the store (the flow's controller, which
-    posts the GPU work to the workers), so ``run.device`` need not exist here.
+    posts the GPU work to the workers), so ``run.device`` need not exist here. ``device``: this process
+    computes there instead of on ``run.device`` (a member of a sequence-parallel group: one GPU each).
     """
-    device = compute_device(cfg.run.device) if computes else torch.device("cpu")
+    if device is None:
+        device = compute_device(cfg.run.device) if computes else torch.device("cpu")
     torch.set_num_threads(cfg.run.threads)
     if device.type == "cuda":
         # cuBLAS is deterministic only with a fixed workspace (must be set before its first call);
@@ -228,15 +231,21 @@ def record_placement(store: RunStore, started: Config, cfg: Config) -> None:
             continue
 
 
-def open_run_from_url(url: str, progress: Progress = no_progress) -> Run:
-    """Open an existing run from its store URL alone (workers, stage jobs): its committed config says the
-    rest, with the placement it uses now (a resumed run may have changed it)."""
+def run_config(url: str) -> Config:
+    """An existing run's committed config, with the placement it uses now (a resumed run may have
+    changed it); reads the store only, so a launcher that forks GPU processes can call it."""
     store = RunStore(url)
     if not store.is_committed("config"):
         raise ConfigError(f"no run at {url}: it has no committed config (start it with `spotlight run`)")
     cfg = config_from_dict(store.load("config").json("config.json"), f"{url}/config")
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"url": url})})
-    return open_run(cfg.with_placement(current_placement(store, cfg)), progress)
+    return cfg.with_placement(current_placement(store, cfg))
+
+
+def open_run_from_url(url: str, progress: Progress = no_progress, device: torch.device | None = None) -> Run:
+    """Open an existing run from its store URL alone (workers, stage jobs): its committed config says the
+    rest (:func:`run_config`). ``device``: as in :func:`open_run`."""
+    return open_run(run_config(url), progress, device=device)
 
 
 def config_diff(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> str:

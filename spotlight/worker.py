@@ -53,6 +53,14 @@ class WorkerStats:
         self.stopped = self.stopped or other["stopped"]
 
 
+def term_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies (even by kill -9), so no worker is orphaned; on
+    SIGTERM a worker records what it finished and releases its item."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def install_sigterm_handler(stop: threading.Event) -> None:
     """On SIGTERM set ``stop`` (the worker then records, releases and exits) instead of dying mid-write."""
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())

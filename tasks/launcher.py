@@ -153,6 +153,17 @@ def worker_task_config(kind: str, cfg: Config, sky_dir: Path = SKY_DIR) -> dict[
     return raw
 
 
+def check_sequence_parallel_gpus(cfg: Config) -> None:
+    """An SP explorer runs one member per GPU of its node, so each candidate node has ``degree`` GPUs:
+    fewer never form a full group, more sit as spares."""
+    degree = cfg.placement.sequence_parallel.degree
+    wrong = [a for a in cfg.placement.explorer.accelerators if degree > 1 and int(a.split(":")[1]) != degree]
+    if wrong:
+        raise ValueError(f"placement.sequence_parallel.degree is {degree}, but placement.explorer.accelerators "
+                         f"{wrong} do not have {degree} GPUs each (an SP explorer runs one member per GPU); "
+                         f"use e.g. [H100:{degree}, A100-80GB:{degree}]")
+
+
 class LocalLauncher:
     """The embedded default: workers are processes on this machine (``tasks/workers.py``)."""
 
@@ -196,7 +207,10 @@ class SkyLauncher:
                              f"{cfg.run_url}: a cloud VM cannot see this machine's disk")
         raw = worker_task_config(kind, cfg, self.sky_dir)
         envs = {"RUN_URL": cfg.run_url, "SPOTLIGHT_SLOT": job_name(cfg.run_url, kind, index),
-                "IDLE_EXIT": f"{cfg.placement.idle_exit_seconds:g}"}
+                "IDLE_EXIT": f"{cfg.placement.idle_exit_seconds:g}",
+                "SP_DEGREE": str(cfg.placement.sequence_parallel.degree)}
+        if kind == "explorer":
+            check_sequence_parallel_gpus(cfg)
         # As `sky jobs launch --env K=V --secret K` does: overrides go in before SkyPilot turns
         # null-valued secrets into managed-secret references.
         task = sky.Task.from_yaml_config(

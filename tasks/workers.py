@@ -11,7 +11,6 @@ so every waiting stage fails naming the worker and why instead of waiting foreve
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -30,9 +29,9 @@ from typing import Any, Iterator
 from spotlight import stage_queue
 from spotlight.config import Config
 from spotlight.store import RunStore
+from spotlight.worker import term_with_parent
 from tasks.launcher import SUCCEEDED, TERMINAL, SkyLauncher, launcher_from_env, run_prefix
 
-PR_SET_PDEATHSIG = 1
 log = logging.getLogger(__name__)
 
 
@@ -71,12 +70,6 @@ def _keep(pool: "LocalPool | SkyPool", stop: threading.Event) -> None:
 
 
 # -- local processes ------------------------------------------------------------------------------
-def _term_with_parent() -> None:
-    """Linux: SIGTERM the worker when the flow's process dies (even by kill -9), so none is orphaned;
-    on SIGTERM a worker records what it finished and releases its item."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def wait_until_ready(run_url: str, workers: dict[str, subprocess.Popen], timeout: float = 120.0) -> None:
     """Wait (bounded) until every local worker has opened the run, so the first stage finds them working
     instead of booting. A worker that dies or is late only costs speed: the pool starts it again."""
@@ -94,7 +87,8 @@ def wait_until_ready(run_url: str, workers: dict[str, subprocess.Popen], timeout
 
 
 class LocalPool:
-    """``spotlight worker`` processes on this machine, pinned to ``placement.<kind>.local_cpus``."""
+    """``spotlight worker`` processes on this machine (an explorer with sequence parallelism: an SP group's
+    launcher and its member processes), pinned to ``placement.<kind>.local_cpus``."""
 
     poll_seconds = 0.5
 
@@ -115,13 +109,22 @@ class LocalPool:
             self._spawn(slot)
         wait_until_ready(self.cfg.run_url, dict(self.procs))
 
+    def command(self, slot: str) -> list[str]:
+        """A slot's process: ``spotlight worker``, or for an explorer with ``placement.sequence_parallel.degree``
+        > 1 the launcher of its SP group (one member process per degree, the group named after the slot)."""
+        kind, sp = self.kinds[slot], self.cfg.placement.sequence_parallel
+        if kind == "explorer" and sp.degree > 1:
+            return [sys.executable, "-m", "spotlight.sequence_parallel.launch", "--run", self.cfg.run_url,
+                    "--group", slot, "--processes", str(sp.degree), "--device", self.cfg.run.device,
+                    "--idle-exit", "86400"]
+        return [self.exe, "worker", "--run", self.cfg.run_url, "--kind", kind, "--id", slot, "--idle-exit", "86400"]
+
     def _spawn(self, slot: str) -> None:
-        kind = self.kinds[slot]
-        cmd = [self.exe, "worker", "--run", self.cfg.run_url, "--kind", kind, "--id", slot, "--idle-exit", "86400"]
+        kind, cmd = self.kinds[slot], self.command(slot)
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.run.threads), SPOTLIGHT_SLOT=slot)
         with open(self.logs / f"{slot}.log", "ab") as err:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                                    preexec_fn=_term_with_parent)
+                                    preexec_fn=term_with_parent)
         cpus = getattr(self.cfg.placement, kind).local_cpus
         if cpus:
             os.sched_setaffinity(proc.pid, set(cpus))

@@ -2,11 +2,10 @@
 
     python tests/sp_launch.py SPEC.json
 
-SPEC: ``{"config": run config YAML, "args": [member options but --member and --config],
-"members": {name: options}}``; a member's options:
-``die_at_call`` (SIGKILL itself at its N-th transformer call: mid-seed, deterministically),
+SPEC: ``{"args": [member options: --run, --group, ...], "members": {name: options}}``; a member's
+options: ``die_at_call`` (SIGKILL itself at its N-th transformer call: mid-seed, deterministically),
 ``arrive`` (a file to wait for before starting: a replacement arriving later), ``weights``
-(``peer``: receive every weight from the group), ``set`` (run-config overrides).
+(``peer``: receive every weight from the group), ``pretrained`` (its pipeline folder).
 Prints ``{"pids": ...}`` once forked, then ``{"exit": ...}`` (-9: killed).
 """
 
@@ -19,9 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from spotlight.config import load_config
+from spotlight.run import run_config
 from spotlight.sequence_parallel.launch import fork_members, preload, wait_members
 from spotlight.sequence_parallel.member import parser, run_from_args
 
@@ -42,17 +39,17 @@ def die_at(calls: int):
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    preload(load_config(spec["config"]))
+    args = parser().parse_args([*spec["args"], "--member", "-"])
+    preload(run_config(args.run))
 
     def child(name: str, index: int) -> None:
         options = spec["members"][name]
         while "arrive" in options and not Path(options["arrive"]).exists():
             time.sleep(0.05)
-        argv = [*spec["args"], "--config", spec["config"], "--member", name,
-                "--weights", options.get("weights", "pretrained"),
-                *[a for s in options.get("set", []) for a in ("--set", s)]]
+        argv = [*spec["args"], "--member", name, "--weights", options.get("weights", "pretrained"),
+                *(["--pretrained", options["pretrained"]] if "pretrained" in options else [])]
         hook = die_at(options["die_at_call"]) if "die_at_call" in options else None
-        run_from_args(parser().parse_args(argv), name, torch.device("cpu"), hook)
+        run_from_args(parser().parse_args(argv), name, index, hook)
 
     pids = fork_members(list(spec["members"]), child)
     print(json.dumps({"pids": pids}), flush=True)

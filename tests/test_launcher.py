@@ -93,6 +93,21 @@ def test_worker_task_is_the_yaml_with_the_placement_resources_and_the_run_envs()
                    "accelerators": "L4:1"}
 
 
+def test_a_sequence_parallel_explorer_gets_its_degree_and_a_node_of_that_many_gpus():
+    sp = ["placement.sequence_parallel.degree=4", "model.pretrained=/models/FLUX.1-dev"]
+    config = load_config("configs/flux-dev-ocr.yaml", [f"run.url={RUN}", *sp,
+                                                       "placement.explorer.accelerators=[H100:4,A100-80GB:4]"])
+    jobs = FakeSkyJobs()
+    _launcher(jobs).start("explorer", 0, config.model_dump(mode="json"))
+    [(task, _)] = jobs.launched
+    assert task.envs["SP_DEGREE"] == "4" and {next(iter(r.accelerators.items())) for r in task.resources} == \
+        {("H100", 4), ("A100-80GB", 4)}
+    one_gpu = load_config("configs/flux-dev-ocr.yaml", [f"run.url={RUN}", *sp]).model_dump(mode="json")
+    with pytest.raises(ValueError, match=r"do not have 4 GPUs each .* one member per GPU"):
+        _launcher(FakeSkyJobs()).start("explorer", 0, one_gpu)
+    _launcher(jobs).start("trainer", 0, one_gpu)  # the trainer's own rollouts are not sequence-parallel
+
+
 def test_pool_launches_each_worker_once_finds_active_ones_and_relaunches_ended_ones(tmp_path):
     url = f"file://{tmp_path}/run"  # the pool's markers; the launcher itself is told the bucket URL below
     cfg = load_config("configs/tiny.yaml", [f"run.url={RUN}", "placement.explorer.workers=2"])

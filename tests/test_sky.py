@@ -49,6 +49,10 @@ def test_every_yaml_parses_with_skypilot_and_passes_the_project_check(path):
         assert "SKYPILOT_TASK_ID" in task.run and {"SPOTLIGHT_SLOT", "IDLE_EXIT"} <= set(task.envs)
         kind = path.stem
         assert f'spotlight worker --kind {kind} --run "$RUN_URL" --idle-exit "$IDLE_EXIT"' in task.run
+        if kind == "explorer":  # sequence parallelism: one member per GPU of the node, the group named by the task
+            assert task.envs["SP_DEGREE"] == "1" and 'if [ "${SP_DEGREE:-1}" -gt 1 ]' in task.run
+            assert ('python -m spotlight.sequence_parallel.launch --run "$RUN_URL" --group "$SKYPILOT_TASK_ID" \\\n'
+                    '    --processes "$SKYPILOT_NUM_GPUS_PER_NODE" --device cuda --idle-exit "$IDLE_EXIT"') in task.run
 
 
 def _bad(tmp_path: Path, old: str, new: str, src: str = "trainer.yaml") -> Path:
