@@ -140,7 +140,8 @@ def filter_seeds(run: Run, t: int, key: str) -> Commit:
         chosen = {"prompts": explored["prompts"], "seeds": [s[:g] for s in explored["seeds"]]}
         return run.store.commit(key, {"filtered.json": json_bytes(chosen), "stats.json": json_bytes({})})
     kept, stats = keep_most_informative(explored["prompts"], explored["seeds"], explored["rewards"], g,
-                                        cfg.grpo.prompts_per_iteration, cfg.exploration.min_std)
+                                        cfg.grpo.prompts_per_iteration, cfg.exploration.min_std,
+                                        select_seeds=cfg.exploration.select != "prompts")
     return run.store.commit(key, {"filtered.json": json_bytes(kept), "stats.json": json_bytes(stats)})
 
 
@@ -205,7 +206,7 @@ def update(run: Run, t: int, key: str) -> Commit:
     for epoch in range(gc.epochs):
         stats += grpo_epoch(policy, params, optimizer, batch, minibatch_size=gc.minibatch_size,
                             clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
-                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta,
+                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, trained_steps=cfg.trained_steps,
                             generator=generator(cfg.run.seed, "minibatches", t, epoch),
                             rank=accelerator.process_index if accelerator else 0,
                             world=accelerator.num_processes if accelerator else 1)
@@ -226,6 +227,10 @@ def update(run: Run, t: int, key: str) -> Commit:
         "zero_variance_groups": (group_std < 1e-3).float().mean().item(),
         "prompts_trained": len(chosen["prompts"]),
         "first_log_ratio": stats[0]["max_abs_log_ratio"],
+        # the scale clip_range is compared with: |log ratio| over the rows (first minibatch: ~0, same weights)
+        "mean_abs_log_ratio": sum(s["mean_abs_log_ratio"] for s in stats) / len(stats),
+        "max_abs_log_ratio": max(s["max_abs_log_ratio"] for s in stats),
+        "trained_steps": cfg.trained_steps,
         "clip_frac": sum(s["clip_frac"] for s in stats) / len(stats),
         "approx_kl": sum(s["approx_kl"] for s in stats) / len(stats),
         "optimizer_steps": len(stats),
