@@ -25,8 +25,9 @@ from spotlight.planner import PlannerState, plan_exploration
 from spotlight.pretrain import (BaseTrainer, classifier_accuracy, load_optimizer_tensors, optimizer_tensors,
                                 train_classifier)
 from spotlight.prompts import evaluation_prompts, iteration_prompts
+from spotlight.quality import quality_metrics
 from spotlight.run import Run, distributed
-from spotlight.sampler import encode_conditioning, sample_ode, sample_sde
+from spotlight.sampler import Rollout, encode_conditioning, sample_ode, sample_sde
 from spotlight.seeding import derive_seed, generator
 from spotlight.store import Commit, json_bytes, tensors_to_bytes
 
@@ -272,17 +273,23 @@ def evaluation_key(run: Run, t: int) -> str:
 
 @committed_stage(evaluation_key)
 def evaluate(run: Run, t: int, key: str) -> Commit:
-    """ODE samples of theta_t on the fixed evaluation prompts and seeds, scored by the held-out and training rewards."""
+    """ODE samples of theta_t on the fixed evaluation prompts and seeds, scored by the held-out and training
+    rewards, and by what the rewards do not see (:mod:`spotlight.quality`): within-prompt diversity
+    (also relative to theta_0's) and, for digits, realism."""
     sc = run.cfg.sampler
+    base = evaluate(run, 0).json("metrics.json") if t > 0 else None  # the reference of diversity_vs_base
     policy = run.policy_at(t)
     prompts, seeds = evaluation_prompts(run.cfg)
     images = sample_ode(policy, prompts, seeds, sc.eval_steps, sc.guidance, sc.negative_prompt)
     held_out = run.weighted_reward("eval")(images, prompts)
     train = run.weighted_reward("train")(images, prompts)
     n_prompts = len(prompts) // run.cfg.evaluation.seeds_per_prompt
+    quality = quality_metrics(images, n_prompts, digit_images=run.cfg.model.kind == "tiny-mmdit")
+    diversity_vs_base = (quality["diversity"] / base["diversity"] if base and base.get("diversity") else
+                         1.0 if quality["diversity"] is not None else None)
     metrics = {"iteration": t, "eval_reward": held_out.mean().item(), "train_reward_on_eval": train.mean().item(),
                "eval_reward_per_prompt": held_out.view(n_prompts, -1).mean(dim=1).tolist(),
-               "prompts": list(dict.fromkeys(prompts))}
+               "prompts": list(dict.fromkeys(prompts)), **quality, "diversity_vs_base": diversity_vs_base}
     return run.store.commit(key, {"metrics.json": json_bytes(metrics),
                                   "samples.safetensors": tensors_to_bytes({"grid": sample_grid(images, n_prompts)})},
                             {"iteration": t})
