@@ -10,6 +10,8 @@ that of a clean one.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from functools import partial
 from typing import Any, Iterator
@@ -77,6 +79,12 @@ def rollout_rewards(run, policy, prompt: str, seeds: list[int], steps: int | Non
     return run.weighted_reward("train")(rollout.images, prompts).tolist()
 
 
+def explorer_id() -> str:
+    """Which process rolled a unit out (host:pid): splits exploration seconds into the trainer's own and
+    the workers' (core-seconds in bench/time_to_target.py)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
 def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
     """Roll out each unit's seed batch with the exploring policy; yield its rewards as soon as it is done."""
     policy = run.policy_at(policy_iteration(run.cfg, t))
@@ -84,7 +92,7 @@ def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterat
         seeds = item["batches"][unit]
         started = time.perf_counter()
         rewards = rollout_rewards(run, policy, item["prompt"], seeds)
-        yield unit, {"seeds": seeds, "rewards": rewards, "seconds": time.perf_counter() - started}
+        yield unit, {"seeds": seeds, "rewards": rewards, "seconds": time.perf_counter() - started, "by": explorer_id()}
 
 
 def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], inline: bool) -> dict[str, Any]:
@@ -109,17 +117,18 @@ def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], in
     return {"wall_seconds": time.perf_counter() - started, "inline": inline_stats is not None}
 
 
-def gather(queue: WorkQueue, items: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[float]], float]:
-    """The explored table in candidate order, and the rollout seconds spent on it."""
+def gather(queue: WorkQueue, items: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[float]], dict[str, float]]:
+    """The explored table in candidate order, and the rollout seconds spent on it per explorer (host:pid)."""
     results = queue.results()
-    seeds, rewards, seconds = [], [], 0.0
+    seeds, rewards, seconds = [], [], {}
     for item in items:
         row_s, row_r = [], []
         for unit in item["units"]:
             r = results[unit]
             row_s += r["seeds"]
             row_r += r["rewards"]
-            seconds += r["seconds"]
+            by = r.get("by", "unknown")
+            seconds[by] = seconds.get(by, 0.0) + r["seconds"]
         seeds.append(row_s)
         rewards.append(row_r)
     return seeds, rewards, seconds

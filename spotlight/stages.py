@@ -110,9 +110,12 @@ def explore(run: Run, t: int, key: str, inline: bool | None = None) -> Commit:
     inline = ec.workers == 0 if inline is None else inline
     queue = exploration.queue_for(run, t)  # one object: its caches of items and results serve gather too
     waited = exploration.explore_queue(run, t, queue, items, inline=inline)
-    seeds, rewards, rollout_seconds = exploration.gather(queue, items)
+    seeds, rewards, by_explorer = exploration.gather(queue, items)
+    rollout_seconds = sum(by_explorer.values())
+    own = by_explorer.get(exploration.explorer_id(), 0.0)  # this (the trainer's) process, when it joined
     explorers = ec.workers + (1 if inline and ec.workers else 0) or 1
     stats = {**waited, "rollout_seconds": rollout_seconds, "candidates": sum(map(len, seeds)),
+             "trainer_rollout_seconds": own, "worker_rollout_seconds": rollout_seconds - own,
              "policy_iteration": exploration.policy_iteration(cfg, t), "explorers": explorers,
              "worker_utilisation": rollout_seconds / max(waited["wall_seconds"], 1e-9) / explorers}
     table = {"prompts": prompts, "seeds": seeds, "rewards": rewards}
@@ -173,6 +176,40 @@ def ranking_check(run: Run, t: int, key: str) -> Commit:
 
 
 # -- update -----------------------------------------------------------------------------------
+def sharded_rollouts(run: Run, policy, reward, prompts: list[str], seeds: list[int], groups: int,
+                     accelerator: Accelerator | None) -> tuple[Rollout, dict[str, torch.Tensor]]:
+    """The update's SDE rollouts and reward components, in prompt-group order.
+
+    Data parallel (``accelerator`` with several processes): rank r rolls out and scores the r-th
+    contiguous block of prompt groups, and the ranks all-gather them, so N processes share the
+    rollouts as a user of N GPUs would (each seed's noise is its own, so a sample is the same
+    experiment on whichever rank; the numbers differ from one process's only in the last bits, as
+    CPU matmuls are not batch-invariant). With fewer groups than ranks every rank rolls out all.
+    """
+    sc = run.cfg.sampler
+    world = accelerator.num_processes if accelerator is not None else 1
+    if world == 1 or groups < world:
+        rollout = sample_sde(policy, prompts, seeds, sc.train_steps, sc.noise_level, sc.guidance,
+                             negative_prompt=sc.negative_prompt)
+        return rollout, reward.components(rollout.images, prompts)
+    per_group = len(prompts) // groups
+    block = torch.tensor_split(torch.arange(groups), world)[accelerator.process_index]
+    lo, hi = int(block[0]) * per_group, (int(block[-1]) + 1) * per_group
+    mine = sample_sde(policy, prompts[lo:hi], seeds[lo:hi], sc.train_steps, sc.noise_level, sc.guidance,
+                      negative_prompt=sc.negative_prompt)
+    shard = {"latents": mine.latents.cpu(), "log_probs": mine.log_probs.cpu(), "images": mine.images.cpu(),
+             "components": reward.components(mine.images, prompts[lo:hi])}
+    shards: list[Any] = [None] * world
+    torch.distributed.all_gather_object(shards, shard)
+    device = policy.device
+    rollout = Rollout(list(prompts), [int(s) for s in seeds],
+                      torch.cat([x["latents"] for x in shards]).to(device),
+                      torch.cat([x["log_probs"] for x in shards]).to(device),
+                      torch.cat([x["images"] for x in shards]).to(device))
+    components = {name: torch.cat([x["components"][name] for x in shards]) for name in shard["components"]}
+    return rollout, components
+
+
 @committed_stage(iteration_key("update"))
 def update(run: Run, t: int, key: str) -> Commit:
     """Rollouts with theta_t on the filtered seeds, rewards, group advantages, PPO-clip steps -> theta_{t+1}."""
@@ -187,19 +224,18 @@ def update(run: Run, t: int, key: str) -> Commit:
         load_optimizer_tensors(optimizer, run.store.load(run.key("update", t - 1)).tensors("optimizer.safetensors"))
     prompts = [p for p, seeds in zip(chosen["prompts"], chosen["seeds"]) for _ in seeds]
     seeds = [s for group in chosen["seeds"] for s in group]
+    # Under `accelerate launch` / torchrun (sky/update.yaml, several GPUs or nodes; bench's data-parallel
+    # baseline) each rank rolls out and scores its share of the prompt groups, the ranks exchange them,
+    # and then every rank trains its share of each minibatch (DDP); in one process this changes nothing.
+    accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
     policy.eval()
-    rollout = sample_sde(policy, prompts, seeds, sc.train_steps, sc.noise_level, sc.guidance,
-                         negative_prompt=sc.negative_prompt)
     reward = run.weighted_reward("train")
-    components = reward.components(rollout.images, prompts)
+    rollout, components = sharded_rollouts(run, policy, reward, prompts, seeds, len(chosen["prompts"]), accelerator)
     rewards = reward.combine(components)
     grouped = rewards.view(len(chosen["prompts"]), -1)
     advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten().to(run.device)
     cond, uncond = encode_conditioning(policy, prompts, sc.guidance, sc.negative_prompt)
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(run.device))
-    # Under `accelerate launch` (sky/update.yaml, several GPUs or nodes) the transformer is wrapped in
-    # DDP and every rank trains on its share of each minibatch; in one process this changes nothing.
-    accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
     if accelerator is not None:
         policy.transformer, optimizer = accelerator.prepare(policy.transformer, optimizer)
     policy.train()
