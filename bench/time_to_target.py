@@ -129,6 +129,14 @@ def record(run: Path, iterations: int) -> RunRecord:
     return RunRecord(evals, seconds, core_seconds, last.get("diversity_vs_base"), last.get("realism_digits"))
 
 
+def iv(interval) -> str:
+    """Mean [95% interval] (the seeds counted are in the "seeds reached" column)."""
+    if interval is None:
+        return "not reached"
+    return f"{interval.mean:.1f}" if interval.low is None else \
+        f"{interval.mean:.1f} [{interval.low:.1f}, {interval.high:.1f}]"
+
+
 def fmt(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
@@ -141,7 +149,7 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
         raise typer.BadParameter("--reuse reads the runs of an earlier bench: give its --out")
     chosen = [BY_NAME[m] for m in modes.split(",")]
     root = out or Path(tempfile.mkdtemp(prefix="time-to-target-"))
-    console = Console(width=160)
+    console = Console(width=170)
     goals = [float(x) for x in targets.split(",")]
     seed_list = [int(s) for s in seeds.split(",")]
     records: dict[str, list[RunRecord]] = {m.name: [] for m in chosen}
@@ -154,16 +162,20 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
     names = [m.name for m in chosen]
     baselines = [b for b in BASELINES if b in records]
 
-    table = Table(title=f"per iteration, and the last policy (mean of seeds {seeds}; cores: trainer on CPU 0, "
-                        "the worker or the second data-parallel rank on CPU 1)")
-    for col in ("mode", "what", "cores", "critical path s/iteration", "busy core-s/iteration",
-                "held-out reward, last", "diversity vs base, last", "realism, last (lower: better)"):
+    for mode in chosen:
+        console.print(f"{mode.name:>14}: {mode.what}")
+    table = Table(title=f"per iteration, and the last policy (mean of seeds {seeds}; trainer on CPU 0, the worker "
+                        "or the second data-parallel rank on CPU 1)",
+                  caption="diversity: within-prompt, relative to the base; realism: distance to the nearest real "
+                          "digits (lower is better)")
+    for col in ("mode", "cores", "critical path s/it", "busy core-s/it", "held-out reward, last",
+                "diversity vs base, last", "realism, last"):
         table.add_column(col)
     for mode in chosen:
         rs = records[mode.name]
         div = [r.diversity_vs_base for r in rs if r.diversity_vs_base is not None]
         real = [r.realism for r in rs if r.realism is not None]
-        table.add_row(mode.name, mode.what, str(mode.cores), f"{fmean(fmean(r.seconds) for r in rs):.2f}",
+        table.add_row(mode.name, str(mode.cores), f"{fmean(fmean(r.seconds) for r in rs):.2f}",
                       f"{fmean(fmean(r.core_seconds) for r in rs):.2f}", f"{fmean(r.evals[-1] for r in rs):.3f}",
                       fmt(fmean(div) if div else None), fmt(fmean(real) if real else None))
     console.print(table)
@@ -175,8 +187,8 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
                           "upper bound, '-' unknown. Per seed (paired with none-dp2, the compute-matched baseline): "
                           "the same ratio seed by seed.")
     for col in ("target", "mode", "seeds reached", "iterations", "seconds", "busy core-seconds",
-                *[f"x faster than {b}" for b in baselines], "per seed vs none-dp2"):
-        table.add_column(col)
+                *[f"x faster than {b}" for b in baselines], "per seed, x faster than none-dp2"):
+        table.add_column(col, no_wrap=col in ("iterations", "seconds", "busy core-seconds"))
     for goal in goals:
         by_mode = hits({m: [r.wall for r in records[m]] for m in names}, goal)
         by_mode_cores = hits({m: [r.cores for r in records[m]] for m in names}, goal)
@@ -187,8 +199,7 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
             cores = t_interval([h.seconds for h in by_mode_cores[name] if h.reached])
             per_seed = ([seed_ratio(b, o) for b, o in zip(by_mode["none-dp2"], by_mode[name])]
                         if "none-dp2" in by_mode and name != "none-dp2" else [])
-            table.add_row(f"{goal:.3f}", name, reached, "-" if its is None else str(its),
-                          "not reached" if secs is None else str(secs), "not reached" if cores is None else str(cores),
+            table.add_row(f"{goal:.3f}", name, reached, "-" if its is None else iv(its), iv(secs), iv(cores),
                           *["" if name == b else str(ratios[b][name][0] or "-") for b in baselines],
                           " ".join(str(r or "-") for r in per_seed))
         table.add_section()
