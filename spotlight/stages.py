@@ -177,8 +177,9 @@ def ranking_check(run: Run, t: int, key: str) -> Commit:
 
 # -- update -----------------------------------------------------------------------------------
 def sharded_rollouts(run: Run, policy, reward, prompts: list[str], seeds: list[int], groups: int,
-                     accelerator: Accelerator | None) -> tuple[Rollout, dict[str, torch.Tensor]]:
-    """The update's SDE rollouts and reward components, in prompt-group order.
+                     accelerator: Accelerator | None) -> tuple[Rollout, dict[str, torch.Tensor], int]:
+    """The update's SDE rollouts and reward components, in prompt-group order, and how many processes
+    shared them.
 
     Data parallel (``accelerator`` with several processes): rank r rolls out and scores the r-th
     contiguous block of prompt groups, and the ranks all-gather them, so N processes share the
@@ -191,7 +192,7 @@ def sharded_rollouts(run: Run, policy, reward, prompts: list[str], seeds: list[i
     if world == 1 or groups < world:
         rollout = sample_sde(policy, prompts, seeds, sc.train_steps, sc.noise_level, sc.guidance,
                              negative_prompt=sc.negative_prompt)
-        return rollout, reward.components(rollout.images, prompts)
+        return rollout, reward.components(rollout.images, prompts), 1
     per_group = len(prompts) // groups
     block = torch.tensor_split(torch.arange(groups), world)[accelerator.process_index]
     lo, hi = int(block[0]) * per_group, (int(block[-1]) + 1) * per_group
@@ -207,7 +208,7 @@ def sharded_rollouts(run: Run, policy, reward, prompts: list[str], seeds: list[i
                       torch.cat([x["log_probs"] for x in shards]).to(device),
                       torch.cat([x["images"] for x in shards]).to(device))
     components = {name: torch.cat([x["components"][name] for x in shards]) for name in shard["components"]}
-    return rollout, components
+    return rollout, components, world
 
 
 @committed_stage(iteration_key("update"))
@@ -230,7 +231,8 @@ def update(run: Run, t: int, key: str) -> Commit:
     accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
     policy.eval()
     reward = run.weighted_reward("train")
-    rollout, components = sharded_rollouts(run, policy, reward, prompts, seeds, len(chosen["prompts"]), accelerator)
+    rollout, components, shards = sharded_rollouts(run, policy, reward, prompts, seeds, len(chosen["prompts"]),
+                                                   accelerator)
     rewards = reward.combine(components)
     grouped = rewards.view(len(chosen["prompts"]), -1)
     advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten().to(run.device)
@@ -272,6 +274,7 @@ def update(run: Run, t: int, key: str) -> Commit:
         "approx_kl": sum(s["approx_kl"] for s in stats) / len(stats),
         "optimizer_steps": len(stats),
         "data_parallel_processes": accelerator.num_processes if accelerator else 1,
+        "rollout_shards": shards,  # processes that shared the rollouts
         "seconds": time.perf_counter() - started,
     }
     objects = {

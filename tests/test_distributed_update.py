@@ -1,5 +1,6 @@
 """The update stage as several data-parallel processes (as `accelerate launch` runs it in sky/update.yaml):
-two processes on gloo give the single-process result up to float reduction order, and commit once."""
+each rolls out half of the prompt groups, and two processes on gloo give the single-process result up
+to float reduction order and batch composition, and commit once."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_two_process_update_matches_single_process(tmp_path: Path, cache_url):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert (result.stdout + result.stderr).count("committed file:") == 2, "both ranks finish with the commit"
     metrics = RunStore(f"file://{double}").load("iterations/0000/update").json("metrics.json")
-    assert metrics["data_parallel_processes"] == 2
+    assert metrics["data_parallel_processes"] == 2 and metrics["rollout_shards"] == 2  # each rank rolled out half
     a = RunStore(f"file://{single}").load("iterations/0000/update").tensors("policy.safetensors")
     b = RunStore(f"file://{double}").load("iterations/0000/update").tensors("policy.safetensors")
     base = RunStore(cache_url).load(next(k for k in RunStore(cache_url).list("") if k.startswith("base-"))
