@@ -220,10 +220,14 @@ class GRPOSection(Section):
     iterations: int = Field(20, ge=1)
     prompts_per_iteration: int = Field(8, ge=1)
     group_size: int = Field(8, description="G: rollouts per prompt in one update")
-    lr: float = Field(1e-4, gt=0)
-    clip_range: float = Field(0.2, gt=0)
+    lr: float = Field(2e-4, gt=0)
+    clip_range: float = Field(0.01, gt=0, description="PPO clip on the ratio of per-step log-probs (each a mean over "
+                              "latent dimensions, as flow_grpo's, so ratios stay near 1: on the tiny model "
+                              "|log ratio| averages ~3e-3, and 0.01 clips 4-13% of the rows; docs/exploration.md)")
     adv_clip: float = Field(5.0, gt=0)
-    adv_std: Literal["per_prompt", "global"] = "per_prompt"
+    adv_std: Literal["per_prompt", "global"] = Field(
+        "per_prompt", description="advantages divided by each prompt group's reward std, or by the whole "
+        "batch's (flow_grpo's SD3 configs: global); chosen by iterations to target, docs/exploration.md")
     kl_beta: float = Field(0.05, ge=0)
     minibatch_size: int = Field(64, ge=1, description="(sample, timestep) rows per optimizer step")
     epochs: int = Field(1, ge=1)

@@ -61,7 +61,7 @@ def test_run_refuses_a_different_config(tmp_path, small_overrides):
     from spotlight.run import open_run
 
     open_run(load_config(REPO / "configs/tiny.yaml", small_overrides))
-    with pytest.raises(ConfigError, match=r"grpo.lr: 0.0001 \(started\) vs 0.5 \(now\)"):
+    with pytest.raises(ConfigError, match=r"grpo.lr: 0.0002 \(started\) vs 0.5 \(now\)"):
         open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, "grpo.lr=0.5"]))
 
 
