@@ -76,8 +76,11 @@ def main(variant: list[str] = typer.Option(..., help="name:override,override,...
     cache = f"file://{root}/cache"
     from spotlight.stages import pretrain
 
+    from spotlight.config import load_config
+
+    defaults = load_config(REPO / "configs/tiny.yaml").fingerprint()  # a base run per config file version
     for seed in seed_list:  # the shared pretrained base first, so parallel runs do not race to build it
-        pretrain(open_run(f"file://{root}/base-s{seed}", cache, seed, 1, []))
+        pretrain(open_run(f"file://{root}/base-{defaults}-s{seed}", cache, seed, 1, []))
     with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {job: pool.submit(curve, f"file://{root}/{job[0]}-s{job[1]}", cache, job[1], iterations,
                                     parsed[job[0]]) for job in jobs}
