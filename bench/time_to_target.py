@@ -102,8 +102,21 @@ class RunRecord:
     evals: list[float]  # held-out reward of theta_1..theta_n
     seconds: list[float]  # critical-path seconds of iterations 0..n-1
     core_seconds: list[float]  # busy core-seconds of iterations 0..n-1
-    diversity_vs_base: float | None  # of theta_n
-    realism: float | None  # of theta_n (digits: distance to the nearest real digits, lower is better)
+    diversity: list[float | None]  # diversity vs base of theta_1..theta_n
+    realisms: list[float | None]  # realism of theta_1..theta_n (digits: distance to the nearest real digits)
+
+    @property
+    def diversity_vs_base(self) -> float | None:  # of theta_n
+        return self.diversity[-1]
+
+    @property
+    def realism(self) -> float | None:  # of theta_n, lower is better
+        return self.realisms[-1]
+
+    def at_first(self, target: float) -> tuple[float | None, float | None] | None:
+        """Diversity and realism of the first policy that reached ``target`` (None if none did)."""
+        i = next((i for i, v in enumerate(self.evals) if v >= target), None)
+        return None if i is None else (self.diversity[i], self.realisms[i])
 
     @property
     def wall(self) -> Curve:
@@ -119,7 +132,8 @@ def record(run: Path, iterations: int) -> RunRecord:
 
     Exploration k's worker seconds count in the iteration it ran during: k - 1 in spotlight mode
     (explore(0) in iteration 0), k in sync mode."""
-    evals = [read(run / f"evaluations/{t:04d}/metrics.json")["eval_reward"] for t in range(1, iterations + 1)]
+    metrics = [read(run / f"evaluations/{t:04d}/metrics.json") for t in range(1, iterations + 1)]
+    evals = [m["eval_reward"] for m in metrics]
     timeline = [read(run / f"timeline/{t:04d}.json") for t in range(iterations)]
     seconds = [x["critical_path_seconds"] for x in timeline]
     core_seconds = [x["critical_path_seconds"] * x.get("trainer_processes", 1) for x in timeline]
@@ -130,8 +144,8 @@ def record(run: Path, iterations: int) -> RunRecord:
             s = read(stats)
             worker = s.get("worker_rollout_seconds", s["rollout_seconds"])
             core_seconds[max(k - 1, 0) if mode == "spotlight" else min(k, iterations - 1)] += worker
-    last = read(run / f"evaluations/{iterations:04d}/metrics.json")
-    return RunRecord(evals, seconds, core_seconds, last.get("diversity_vs_base"), last.get("realism_digits"))
+    return RunRecord(evals, seconds, core_seconds, [m.get("diversity_vs_base") for m in metrics],
+                     [m.get("realism_digits") for m in metrics])
 
 
 def iv(interval) -> str:
@@ -149,6 +163,7 @@ def fmt(x: float | None, digits: int = 3) -> str:
 def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds: str = "0",
          out: Path = typer.Option(None), extra: list[str] = typer.Option([], "--set"),
          modes: str = typer.Option(",".join(m.name for m in MODES), help="which modes, comma-separated"),
+         quality_at: float = typer.Option(0.97, help="also show diversity and realism where a run first reaches this"),
          reuse: bool = typer.Option(False, help="print the tables for the runs already under --out; run nothing")) -> None:
     if reuse and out is None:
         raise typer.BadParameter("--reuse reads the runs of an earlier bench: give its --out")
@@ -172,17 +187,20 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
     table = Table(title=f"per iteration, and the last policy (mean of seeds {seeds}; trainer on CPU 0, the worker "
                         "or the second data-parallel rank on CPU 1)",
                   caption="diversity: within-prompt, relative to the base; realism: distance to the nearest real "
-                          "digits (lower is better)")
+                          "digits (lower is better); last: theta_n; at first >= target: the first policy that "
+                          "reached it, over the seeds that did (equal reward, so a fairer comparison of quality)")
     for col in ("mode", "cores", "critical path s/it", "busy core-s/it", "held-out reward, last",
-                "diversity vs base, last", "realism, last"):
+                "diversity vs base, last", "realism, last", f"diversity, realism at first >= {quality_at}"):
         table.add_column(col)
     for mode in chosen:
         rs = records[mode.name]
         div = [r.diversity_vs_base for r in rs if r.diversity_vs_base is not None]
         real = [r.realism for r in rs if r.realism is not None]
+        at = [q for q in (r.at_first(quality_at) for r in rs) if q is not None and None not in q]
+        at_cell = f"{fmean(q[0] for q in at):.3f}, {fmean(q[1] for q in at):.3f} ({len(at)}/{len(rs)} seeds)" if at else "n/a"
         table.add_row(mode.name, str(mode.cores), f"{fmean(fmean(r.seconds) for r in rs):.2f}",
                       f"{fmean(fmean(r.core_seconds) for r in rs):.2f}", f"{fmean(r.evals[-1] for r in rs):.3f}",
-                      fmt(fmean(div) if div else None), fmt(fmean(real) if real else None))
+                      fmt(fmean(div) if div else None), fmt(fmean(real) if real else None), at_cell)
     console.print(table)
 
     table = Table(title=f"to a held-out reward target ({iterations} iterations at most, seeds {seeds})",
