@@ -32,19 +32,27 @@ def open_run(run_url: str, cache_url: str, seed: int, iterations: int, sets: lis
 
     return open_library_run(load_config(REPO / "configs/tiny.yaml", [
         f"run.url={run_url}", f"run.cache_url={cache_url}", f"run.seed={seed}", f"grpo.iterations={iterations}",
-        "exploration.workers=0", "evaluation.every=1", "exploration.ranking_every=0", *sets]))
+        "placement.explorer.workers=0", "evaluation.every=1", "exploration.ranking_every=0", *sets]))
 
 
-def curve(run_url: str, cache_url: str, seed: int, iterations: int, sets: list[str]) -> list[float]:
-    """Held-out reward of theta_1..theta_n for one config and seed (run in this process)."""
+def curve(run_url: str, cache_url: str, seed: int, iterations: int, sets: list[str]) -> dict[str, list[float]]:
+    """Held-out reward of theta_1..theta_n for one config and seed (run in this process), with the
+    update's diagnostics per iteration and the quality metrics of the last policy."""
     from spotlight import stages
 
     run = open_run(run_url, cache_url, seed, iterations, sets)
     stages.pretrain(run)
-    out = []
+    out: dict[str, list[float]] = {"eval_reward": [], "clip_frac": [], "mean_abs_log_ratio": [], "approx_kl": []}
     for t in range(iterations):
-        stages.update(run, t)
-        out.append(stages.evaluate(run, t + 1).json("metrics.json")["eval_reward"])
+        update = stages.update(run, t).json("metrics.json")
+        for key in ("clip_frac", "mean_abs_log_ratio", "approx_kl"):
+            out[key].append(update.get(key, float("nan")))
+        out["eval_reward"].append(stages.evaluate(run, t + 1).json("metrics.json")["eval_reward"])
+    for t in (0, iterations):  # quality the reward does not see, when the evaluation records it
+        metrics = stages.evaluate(run, t).json("metrics.json")
+        for key in ("diversity", "realism_digits"):
+            if key in metrics:
+                out.setdefault(f"{key}_{'base' if t == 0 else 'last'}", []).append(metrics[key])
     return out
 
 
@@ -52,8 +60,13 @@ def first_at(values: list[float], target: float) -> int | None:
     return next((i + 1 for i, v in enumerate(values) if v >= target), None)
 
 
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def main(variant: list[str] = typer.Option(..., help="name:override,override,..."), seeds: str = "0,1",
-         iterations: int = 20, targets: str = "0.95,0.96,0.97,0.98", out: Path = typer.Option(None)) -> None:
+         iterations: int = 20, targets: str = "0.95,0.96,0.97,0.98", out: Path = typer.Option(None),
+         parallel: int = typer.Option(2, help="runs in parallel (one core each)")) -> None:
     root = out or Path(tempfile.mkdtemp(prefix="iterations-to-target-"))
     parsed = {v.split(":", 1)[0]: [s for s in v.split(":", 1)[1].split(",") if s] if ":" in v else []
               for v in variant}
@@ -63,28 +76,54 @@ def main(variant: list[str] = typer.Option(..., help="name:override,override,...
     cache = f"file://{root}/cache"
     from spotlight.stages import pretrain
 
+    from spotlight.config import load_config
+
+    defaults = load_config(REPO / "configs/tiny.yaml").fingerprint()  # a base run per config file version
     for seed in seed_list:  # the shared pretrained base first, so parallel runs do not race to build it
-        pretrain(open_run(f"file://{root}/base-s{seed}", cache, seed, 1, []))
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pretrain(open_run(f"file://{root}/base-{defaults}-s{seed}", cache, seed, 1, []))
+    with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {job: pool.submit(curve, f"file://{root}/{job[0]}-s{job[1]}", cache, job[1], iterations,
                                     parsed[job[0]]) for job in jobs}
-        curves = {job: f.result() for job, f in futures.items()}
+        results = {job: f.result() for job, f in futures.items()}
+    curves = {job: r["eval_reward"] for job, r in results.items()}
+    (root / "summary.json").write_text(json.dumps({f"{n}|{s}": r for (n, s), r in results.items()}, indent=1))
     goals = [float(t) for t in targets.split(",")]
-    table = Table(title=f"iterations to a held-out reward target (mean over seeds {seeds}; "
-                        f"'-' = not reached in {iterations} iterations by some seed)")
-    for col in ("variant", "overrides", *[f"{g:.2f}" for g in goals], "final"):
+    table = Table(title=f"iterations to a held-out reward target (mean over the seeds {seeds} that reached it; "
+                        f"(k/n): only k of the n seeds reached it in {iterations} iterations)")
+    for col in ("variant", "overrides", *[f"{g:.2f}" for g in goals], "final", "mean of last 5"):
         table.add_column(col)
     for name, sets in parsed.items():
         cells = []
         for goal in goals:
-            hits = [first_at(curves[(name, s)], goal) for s in seed_list]
-            cells.append("-" if None in hits else f"{sum(hits) / len(hits):.1f}")
-        final = sum(curves[(name, s)][-1] for s in seed_list) / len(seed_list)
-        table.add_row(name, " ".join(sets), *cells, f"{final:.3f}")
+            hits = [h for h in (first_at(curves[(name, s)], goal) for s in seed_list) if h is not None]
+            cell = "-" if not hits else f"{mean(hits):.1f}"
+            cells.append(cell if len(hits) == len(seed_list) else f"{cell} ({len(hits)}/{len(seed_list)})")
+        final = mean([curves[(name, s)][-1] for s in seed_list])
+        last5 = mean([mean(curves[(name, s)][-5:]) for s in seed_list])
+        table.add_row(name, " ".join(sets), *cells, f"{final:.3f}", f"{last5:.3f}")
     console = Console(width=200)
+    console.print(table)
+    table = Table(title="the update's log-ratio scale and clipping (mean over iterations and seeds), and quality "
+                        "of the last policy relative to the base (diversity: within-prompt; realism_digits: "
+                        "distance to real digits, lower is better)")
+    for col in ("variant", "mean |log ratio|", "clip_frac", "iterations with clip_frac > 0", "approx_kl",
+                "diversity last/base", "realism_digits last (base)"):
+        table.add_column(col)
+    for name in parsed:
+        rs = [results[(name, s)] for s in seed_list]
+        clipped = sum(sum(c > 0 for c in r["clip_frac"]) for r in rs)
+        div = (f"{mean([r['diversity_last'][0] / r['diversity_base'][0] for r in rs]):.3f}"
+               if all("diversity_last" in r for r in rs) else "n/a")
+        real = (f"{mean([r['realism_digits_last'][0] for r in rs]):.3f} "
+                f"({mean([r['realism_digits_base'][0] for r in rs]):.3f})"
+                if all("realism_digits_last" in r for r in rs) else "n/a")
+        table.add_row(name, f"{mean([mean(r['mean_abs_log_ratio']) for r in rs]):.2e}",
+                      f"{mean([mean(r['clip_frac']) for r in rs]):.4f}", f"{clipped}/{iterations * len(rs)}",
+                      f"{mean([mean(r['approx_kl']) for r in rs]):.2e}", div, real)
     console.print(table)
     for (name, seed), values in curves.items():
         console.print(f"{name} seed {seed}: " + " ".join(f"{v:.3f}" for v in values))
+    console.print(f"runs under {root}")
 
 
 if __name__ == "__main__":

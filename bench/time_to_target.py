@@ -1,14 +1,30 @@
-"""Time to a target held-out reward for the three exploration modes, side by side in one run.
+"""Time to a target held-out reward, with compute-matched baselines and ablations, side by side in one run.
 
-Each mode runs the real flow (`spotlight run`) on the same config and seed, with the trainer pinned
-to one core and the exploration worker to the other (an on-demand trainer plus one spot worker).
+Modes, each on the same config and run seeds (paired: every mode's first G seeds of a prompt are the
+seeds `none` trains on), on two cores:
+
+  none             plain Flow-GRPO, random seeds, one process on CPU 0 (1 core)
+  none-dp2         plain Flow-GRPO on both cores: a 2-rank data-parallel run (bench/data_parallel_run.py
+                   under torchrun, one rank per core): each rank rolls out half the prompt groups and
+                   trains half of every minibatch. Same batch and numbers as `none`, less time per
+                   iteration: one way a user of plain Flow-GRPO uses a second GPU (2 cores)
+  none-dp2-16p     the other way: twice the batch on the two ranks (16 prompts x G, minibatches of 128
+                   rows: each rank does what `none` does alone, flow_grpo's fixed per-GPU batch), so
+                   about `none`'s time per iteration, fewer iterations (2 cores)
+  sync             exploration with fresh weights on the critical path (trainer CPU 0 + worker CPU 1)
+  spotlight        stale exploration overlapped with the update (trainer CPU 0 + worker CPU 1)
+  prompt-select    ablation: spotlight, but each kept prompt trains its first G seeds (prompts selected only)
+  seed-select      ablation: spotlight, but no extra prompts (seeds selected only)
+
 Held-out reward is evaluated after every iteration (ODE, fixed seeds); evaluation and the ranking
-measurement are not counted as training time. Wall-clock to target = the sum of the critical-path
-seconds of the iterations up to the first one whose policy reaches the target. Speed-ups over
-`none` are exact only where both runs reached the target; a run that did not bounds them with its
-whole run (arithmetic in `bench/targets.py`).
+measurement are not counted. Seconds to target = the sum of the critical-path seconds of the
+iterations up to the first one whose policy reaches the target. Busy core-seconds count every
+trainer process for the whole critical path plus the workers' rollout seconds (from each
+exploration's `explore/stats.json`; the trainer's own share of an exploration is inside its critical
+path). Speed-ups are exact only where both runs reached the target; a run that did not bounds them
+with its whole run (arithmetic and t-intervals in `bench/targets.py`).
 
-    .venv/bin/python bench/time_to_target.py --iterations 20 --seeds 0,1
+    OMP_NUM_THREADS=1 .venv/bin/python bench/time_to_target.py --iterations 20 --seeds 0,1,2,3,4 --out /tmp/ttt
 """
 
 from __future__ import annotations
@@ -18,90 +34,204 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 import typer
 from rich.console import Console
 from rich.table import Table
-from targets import Curve, hits, reached_summary, speedups
+from targets import Curve, hits, reached_summary, seed_ratio, speedups, t_interval
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "sync", "spotlight")
-BASELINE = "none"
 
 
-def run_mode(mode: str, seed: int, iterations: int, root: Path, extra: list[str]) -> Path:
-    run = root / f"{mode}-s{seed}"
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    sets: list[str] = field(default_factory=list)
+    data_parallel: int = 0  # > 0: a data-parallel `none` run with this many ranks (one core each)
+    cores: int = 2
+    what: str = ""
+
+
+MODES = [
+    Mode("none", ["exploration.mode=none"], cores=1, what="random seeds, 1 core"),
+    Mode("none-dp2", [], data_parallel=2, what="random seeds, 2-rank data-parallel, same batch (2 cores)"),
+    Mode("none-dp2-16p", ["grpo.prompts_per_iteration=16", "grpo.minibatch_size=128"], data_parallel=2,
+         what="random seeds, 2-rank data-parallel, twice the batch: 16 prompts (2 cores)"),
+    Mode("sync", ["exploration.mode=sync"], what="fresh-weight exploration on the critical path"),
+    Mode("spotlight", ["exploration.mode=spotlight"], what="stale exploration, overlapped"),
+    Mode("prompt-select", ["exploration.mode=spotlight", "exploration.select=prompts"],
+         what="ablation: select prompts only (first G seeds)"),
+    Mode("seed-select", ["exploration.mode=spotlight", "exploration.select=seeds"],
+         what="ablation: select seeds only (no extra prompts)"),
+]
+BY_NAME = {m.name: m for m in MODES}
+BASELINES = ("none", "none-dp2", "none-dp2-16p")  # the speed-up columns; the dp2 ones are compute-matched
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PREFECT_LOGGING_LEVEL="WARNING",
+                PREFECT_SERVER_ANALYTICS_ENABLED="false")
+
+
+def run_mode(mode: Mode, seed: int, iterations: int, root: Path, extra: list[str]) -> Path:
+    run = root / f"{mode.name}-s{seed}"
     sets = [f"run.url=file://{run}", f"run.cache_url=file://{root}/cache", f"run.seed={seed}",
-            f"exploration.mode={mode}", f"grpo.iterations={iterations}", "evaluation.every=1",
-            "run.cpus=[0]", "exploration.worker_cpus=[1]", "exploration.workers=1", *extra]
-    cmd = [str(Path(sys.executable).with_name("spotlight")), "run", "--config", str(REPO / "configs/tiny.yaml"),
-           *[a for s in sets for a in ("--set", s)]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PREFECT_LOGGING_LEVEL="WARNING",
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+            f"grpo.iterations={iterations}", "evaluation.every=1", *mode.sets, *extra]
+    if mode.data_parallel:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(mode.data_parallel), str(REPO / "bench/data_parallel_run.py"),
+               "--cpus", ",".join(str(i) for i in range(mode.data_parallel)),
+               *[a for s in sets for a in ("--set", s)]]
+    else:
+        explorers = 1 if mode.cores == 2 else 0
+        sets += ["placement.trainer.local_cpus=[0]", "placement.explorer.local_cpus=[1]",
+                 f"placement.explorer.workers={explorers}"]
+        cmd = [str(Path(sys.executable).with_name("spotlight")), "run", "--config", str(REPO / "configs/tiny.yaml"),
+               *[a for s in sets for a in ("--set", s)]]
+    subprocess.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL)
     return run
 
 
-def curve(run: Path, iterations: int) -> Curve:
-    """Held-out reward of theta_1..theta_n and critical-path seconds of iterations 0..n-1."""
-    evals = [json.loads((run / f"evaluations/{t:04d}/metrics.json").read_text())["eval_reward"]
-             for t in range(1, iterations + 1)]
-    seconds = [json.loads((run / f"timeline/{t:04d}.json").read_text())["critical_path_seconds"]
-               for t in range(iterations)]
-    return evals, seconds
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@dataclass
+class RunRecord:
+    evals: list[float]  # held-out reward of theta_1..theta_n
+    seconds: list[float]  # critical-path seconds of iterations 0..n-1
+    core_seconds: list[float]  # busy core-seconds of iterations 0..n-1
+    diversity: list[float | None]  # diversity vs base of theta_1..theta_n
+    realisms: list[float | None]  # realism of theta_1..theta_n (digits: distance to the nearest real digits)
+
+    @property
+    def diversity_vs_base(self) -> float | None:  # of theta_n
+        return self.diversity[-1]
+
+    @property
+    def realism(self) -> float | None:  # of theta_n, lower is better
+        return self.realisms[-1]
+
+    def at_first(self, target: float) -> tuple[float | None, float | None] | None:
+        """Diversity and realism of the first policy that reached ``target`` (None if none did)."""
+        i = next((i for i, v in enumerate(self.evals) if v >= target), None)
+        return None if i is None else (self.diversity[i], self.realisms[i])
+
+    @property
+    def wall(self) -> Curve:
+        return self.evals, self.seconds
+
+    @property
+    def cores(self) -> Curve:
+        return self.evals, self.core_seconds
+
+
+def record(run: Path, iterations: int) -> RunRecord:
+    """A finished run's held-out curve, critical-path seconds and busy core-seconds per iteration.
+
+    Exploration k's worker seconds count in the iteration it ran during: k - 1 in spotlight mode
+    (explore(0) in iteration 0), k in sync mode."""
+    metrics = [read(run / f"evaluations/{t:04d}/metrics.json") for t in range(1, iterations + 1)]
+    evals = [m["eval_reward"] for m in metrics]
+    timeline = [read(run / f"timeline/{t:04d}.json") for t in range(iterations)]
+    seconds = [x["critical_path_seconds"] for x in timeline]
+    core_seconds = [x["critical_path_seconds"] * x.get("trainer_processes", 1) for x in timeline]
+    mode = read(run / "config/config.json")["exploration"]["mode"]
+    for k in range(iterations + 1):
+        stats = run / f"iterations/{k:04d}/explore/stats.json"
+        if mode != "none" and stats.exists():
+            s = read(stats)
+            worker = s.get("worker_rollout_seconds", s["rollout_seconds"])
+            core_seconds[max(k - 1, 0) if mode == "spotlight" else min(k, iterations - 1)] += worker
+    return RunRecord(evals, seconds, core_seconds, [m.get("diversity_vs_base") for m in metrics],
+                     [m.get("realism_digits") for m in metrics])
+
+
+def iv(interval) -> str:
+    """Mean [95% interval] (the seeds counted are in the "seeds reached" column)."""
+    if interval is None:
+        return "not reached"
+    return f"{interval.mean:.1f}" if interval.low is None else \
+        f"{interval.mean:.1f} [{interval.low:.1f}, {interval.high:.1f}]"
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds: str = "0",
          out: Path = typer.Option(None), extra: list[str] = typer.Option([], "--set"),
+         modes: str = typer.Option(",".join(m.name for m in MODES), help="which modes, comma-separated"),
+         quality_at: float = typer.Option(0.97, help="also show diversity and realism where a run first reaches this"),
          reuse: bool = typer.Option(False, help="print the tables for the runs already under --out; run nothing")) -> None:
     if reuse and out is None:
         raise typer.BadParameter("--reuse reads the runs of an earlier bench: give its --out")
+    chosen = [BY_NAME[m] for m in modes.split(",")]
     root = out or Path(tempfile.mkdtemp(prefix="time-to-target-"))
-    console = Console()
+    console = Console(width=170)
     goals = [float(x) for x in targets.split(",")]
     seed_list = [int(s) for s in seeds.split(",")]
-    curves: dict[str, list[Curve]] = {m: [] for m in MODES}
+    records: dict[str, list[RunRecord]] = {m.name: [] for m in chosen}
     for seed in seed_list:
-        for mode in MODES:
+        for mode in chosen:
             if not reuse:
-                console.print(f"running mode {mode}, seed {seed} ...")
-            run = root / f"{mode}-s{seed}" if reuse else run_mode(mode, seed, iterations, root, extra)
-            curves[mode].append(curve(run, iterations))
+                console.print(f"running mode {mode.name}, seed {seed} ...")
+            run = root / f"{mode.name}-s{seed}" if reuse else run_mode(mode, seed, iterations, root, extra)
+            records[mode.name].append(record(run, iterations))
+    names = [m.name for m in chosen]
+    baselines = [b for b in BASELINES if b in records]
 
-    per_iter = {m: sum(sum(s) / len(s) for _, s in curves[m]) / len(seed_list) for m in MODES}
-    table = Table(title=f"critical path per iteration (trainer on CPU 0, one exploration worker on CPU 1), "
-                        f"mean of seeds {seeds}")
-    for col in ("mode", "critical path s/iteration", f"vs {BASELINE}", "held-out reward after the last iteration"):
+    for mode in chosen:
+        console.print(f"{mode.name:>14}: {mode.what}")
+    table = Table(title=f"per iteration, and the last policy (mean of seeds {seeds}; trainer on CPU 0, the worker "
+                        "or the second data-parallel rank on CPU 1)",
+                  caption="diversity: within-prompt, relative to the base; realism: distance to the nearest real "
+                          "digits (lower is better); last: theta_n; at first >= target: the first policy that "
+                          "reached it, over the seeds that did (equal reward, so a fairer comparison of quality)")
+    for col in ("mode", "cores", "critical path s/it", "busy core-s/it", "held-out reward, last",
+                "diversity vs base, last", "realism, last", f"diversity, realism at first >= {quality_at}"):
         table.add_column(col)
-    for mode in MODES:
-        final = sum(e[-1] for e, _ in curves[mode]) / len(seed_list)
-        table.add_row(mode, f"{per_iter[mode]:.2f}", f"{per_iter[mode] / per_iter[BASELINE]:.2f}x", f"{final:.3f}")
+    for mode in chosen:
+        rs = records[mode.name]
+        div = [r.diversity_vs_base for r in rs if r.diversity_vs_base is not None]
+        real = [r.realism for r in rs if r.realism is not None]
+        at = [q for q in (r.at_first(quality_at) for r in rs) if q is not None and None not in q]
+        at_cell = f"{fmean(q[0] for q in at):.3f}, {fmean(q[1] for q in at):.3f} ({len(at)}/{len(rs)} seeds)" if at else "n/a"
+        table.add_row(mode.name, str(mode.cores), f"{fmean(fmean(r.seconds) for r in rs):.2f}",
+                      f"{fmean(fmean(r.core_seconds) for r in rs):.2f}", f"{fmean(r.evals[-1] for r in rs):.3f}",
+                      fmt(fmean(div) if div else None), fmt(fmean(real) if real else None), at_cell)
     console.print(table)
 
-    table = Table(title=f"critical-path seconds to a held-out reward target ({iterations} iterations at most, "
-                        f"seeds {seeds})",
-                  caption=f"iterations, seconds: mean [95% t-interval] over the n seeds that reached the target. "
-                          f"x faster: mean {BASELINE} seconds / mean mode seconds over all seeds, each seed "
-                          f"that did not reach it counted with its whole run (a lower bound on its time): "
-                          f"'>' a lower bound, '<' an upper bound, '-' unknown; per seed (paired) the same.")
-    for col in ("target", "mode", "seeds reached", "iterations", "seconds", f"x faster than {BASELINE}", "per seed"):
-        table.add_column(col)
+    table = Table(title=f"to a held-out reward target ({iterations} iterations at most, seeds {seeds})",
+                  caption="iterations, seconds, busy core-seconds: mean [95% t-interval] over the n seeds that "
+                          "reached the target. x faster: mean baseline seconds / mean mode seconds over all seeds, "
+                          "a seed that did not reach it counted with its whole run: '>' a lower bound, '<' an "
+                          "upper bound, '-' unknown. Per seed (paired with none-dp2, a compute-matched baseline): "
+                          "the same ratio seed by seed.")
+    for col in ("target", "mode", "seeds reached", "iterations", "seconds", "busy core-seconds",
+                *[f"x faster than {b}" for b in baselines], *(["per seed, x vs none-dp2"] if "none-dp2" in records else [])):
+        table.add_column(col, no_wrap=col in ("iterations", "seconds", "busy core-seconds"))
     for goal in goals:
-        by_mode = hits(curves, goal)
-        summary, ratios = reached_summary(by_mode), speedups(by_mode, BASELINE)
-        for mode in MODES:
-            its, secs, reached = summary[mode]
-            mean, per_seed = ratios.get(mode, (None, []))
-            table.add_row(f"{goal:.3f}", mode, reached, "-" if its is None else f"{its.mean:.1f}",
-                          "not reached" if secs is None else str(secs),
-                          "" if mode == BASELINE else str(mean or "-"),
-                          " ".join(str(r or "-") for r in per_seed))
+        by_mode = hits({m: [r.wall for r in records[m]] for m in names}, goal)
+        by_mode_cores = hits({m: [r.cores for r in records[m]] for m in names}, goal)
+        summary = reached_summary(by_mode)
+        ratios = {b: speedups(by_mode, b) for b in baselines}
+        for name in names:
+            its, secs, reached = summary[name]
+            cores = t_interval([h.seconds for h in by_mode_cores[name] if h.reached])
+            per_seed = ([seed_ratio(b, o) for b, o in zip(by_mode["none-dp2"], by_mode[name])]
+                        if "none-dp2" in by_mode and name != "none-dp2" else [])
+            table.add_row(f"{goal:.3f}", name, reached, "-" if its is None else iv(its), iv(secs), iv(cores),
+                          *["" if name == b else str(ratios[b][name][0] or "-") for b in baselines],
+                          *([" ".join(str(r or "-") for r in per_seed)] if "none-dp2" in records else []))
         table.add_section()
     console.print(table)
-    for mode in MODES:
-        for seed, (evals, _) in zip(seed_list, curves[mode]):
-            console.print(f"held-out reward, {mode} seed {seed}: " + " ".join(f"{v:.3f}" for v in evals))
+    for name in names:
+        for seed, r in zip(seed_list, records[name]):
+            console.print(f"held-out reward, {name} seed {seed}: " + " ".join(f"{v:.3f}" for v in r.evals))
     console.print(f"runs kept under {root}")
 
 

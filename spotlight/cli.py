@@ -36,8 +36,14 @@ def print_summary(summary: Summary) -> None:
     if summary.train_reward:
         table.add_row("train reward (first -> last iteration)",
                       f"{summary.train_reward[0][1]:.3f} -> {summary.train_reward[-1][1]:.3f}")
+    diversity, realism = dict(summary.diversity_vs_base), dict(summary.realism_digits)
     for it, value in summary.eval_reward:
-        table.add_row(f"held-out reward, theta_{it}", f"{value:.3f}")
+        extra = f"  diversity {diversity[it]:.2f}x base" if it in diversity else ""
+        extra += f", realism {realism[it]:.3f}" if realism.get(it) is not None else ""
+        table.add_row(f"held-out reward, theta_{it}", f"{value:.3f}{extra}")
+    if summary.realism_digits_real is not None:
+        table.add_row("realism (distance to the 5 nearest real digits)",
+                      f"lower is better; real digits: {summary.realism_digits_real:.3f}")
     for it, rho, rho_training in summary.ranking_spearman:
         table.add_row(f"seed ranking, stale vs fresh (iteration {it})",
                       f"Spearman rho {rho:.3f} ({rho_training:.3f} vs full-step training rollouts)")

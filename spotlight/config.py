@@ -118,6 +118,9 @@ class SamplerSection(Section):
     train_steps: int = Field(10, ge=1, description="SDE steps of a training rollout")
     eval_steps: int = Field(16, ge=1, description="ODE steps of an evaluation sample")
     noise_level: float = Field(0.7, gt=0, description="Flow-GRPO's a: sigma_t = a*sqrt(t/(1-t))")
+    timestep_fraction: float = Field(0.99, gt=0, le=1, description="the update trains the first "
+                                     "max(1, int(train_steps * fraction)) SDE steps of each rollout (flow_grpo's "
+                                     "train.timestep_fraction: 0.99 of 10 steps trains 9, not the last)")
     shift: float | None = Field(None, gt=0, description="static timestep shift; null: the model's own (the "
                                 "pipeline's scheduler config, 3.0 for tiny-mmdit)")
     guidance: float = Field(1.0, ge=1.0, description="guidance scale (1 = off): classifier-free guidance, or "
@@ -220,10 +223,14 @@ class GRPOSection(Section):
     iterations: int = Field(20, ge=1)
     prompts_per_iteration: int = Field(8, ge=1)
     group_size: int = Field(8, description="G: rollouts per prompt in one update")
-    lr: float = Field(1e-4, gt=0)
-    clip_range: float = Field(0.2, gt=0)
+    lr: float = Field(2e-4, gt=0)
+    clip_range: float = Field(0.01, gt=0, description="PPO clip on the ratio of per-step log-probs (each a mean over "
+                              "latent dimensions, as flow_grpo's, so ratios stay near 1: on the tiny model "
+                              "|log ratio| averages ~3e-3, and 0.01 clips 4-13% of the rows; docs/exploration.md)")
     adv_clip: float = Field(5.0, gt=0)
-    adv_std: Literal["per_prompt", "global"] = "per_prompt"
+    adv_std: Literal["per_prompt", "global"] = Field(
+        "per_prompt", description="advantages divided by each prompt group's reward std, or by the whole "
+        "batch's (flow_grpo's SD3 configs: global); chosen by iterations to target, docs/exploration.md")
     kl_beta: float = Field(0.05, ge=0)
     minibatch_size: int = Field(64, ge=1, description="(sample, timestep) rows per optimizer step")
     microbatch_size: int | None = Field(None, ge=1, description="rows per forward pass (gradient accumulation "
@@ -243,6 +250,11 @@ class ExplorationSection(Section):
     """Seed exploration: none (random seeds), sync (fresh weights, on the critical path), spotlight (stale, overlapped)."""
 
     mode: Literal["none", "sync", "spotlight"] = "spotlight"
+    select: Literal["both", "prompts", "seeds"] = Field(
+        "both", description="what the filter selects (ablations): both = per prompt the max-variance G seeds, "
+        "then the highest-variance groups among prompts_per_iteration + extra_prompts; prompts = the "
+        "highest-variance groups, each trained on its first G seeds; seeds = no extra prompts, per prompt "
+        "the max-variance G seeds")
     candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the first-iteration default")
     max_candidates_per_prompt: int = Field(64, ge=1)
     seeds_per_batch: int = Field(16, ge=1, description="a work unit: seeds rolled out together (fixed composition)")
@@ -475,6 +487,12 @@ class Config(Section):
                              f"({self.sampler.train_steps}): a coarse exploration step sums whole training steps' "
                              "noise increments, so it ranks seeds like the training rollout")
         return self
+
+    @property
+    def trained_steps(self) -> int:
+        """SDE steps per rollout the update trains on: the first ``int(train_steps * timestep_fraction)``
+        (flow_grpo's truncation), at least one."""
+        return max(1, int(self.sampler.train_steps * self.sampler.timestep_fraction + 1e-9))
 
     @property
     def exploration_steps(self) -> int:

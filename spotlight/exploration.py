@@ -10,6 +10,8 @@ that of a clean one.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from functools import partial
 from typing import Any, Iterator
@@ -103,9 +105,10 @@ def unit_rewards(run, images: torch.Tensor, prompt: str) -> list[float]:
     return run.weighted_reward("train")(images, [prompt] * len(images)).tolist()
 
 
-def unit_result(seeds: list[int], rewards: list[float], seconds: float) -> dict[str, Any]:
-    """What the queue records for a unit: the same record from a plain worker and an SP group."""
-    return {"seeds": seeds, "rewards": rewards, "seconds": seconds}
+def unit_result(seeds: list[int], rewards: list[float], seconds: float, role: str = "explorer") -> dict[str, Any]:
+    """What the queue records for a unit: the same record from a plain worker and an SP group (``by``:
+    who rolled it out, so exploration seconds split into the trainers' own and the explorers')."""
+    return {"seeds": seeds, "rewards": rewards, "seconds": seconds, "by": explorer_id(role)}
 
 
 def rollout_rewards(run, policy, prompt: str, seeds: list[int], steps: int | None = None) -> list[float]:
@@ -114,14 +117,28 @@ def rollout_rewards(run, policy, prompt: str, seeds: list[int], steps: int | Non
     return unit_rewards(run, exploration_rollout(run.cfg, policy, [prompt] * len(seeds), seeds, steps).images, prompt)
 
 
-def explore_units(run, t: int, item: dict[str, Any], units: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Roll out each unit's seed batch with the exploring policy; yield its rewards as soon as it is done."""
+def explorer_id(role: str) -> str:
+    """Which process rolled a unit out, and in which role (``explorer``, ``trainer``, ``inline``):
+    ``role@host:pid``. Splits exploration seconds into the trainers' own and the explorers' (core-seconds
+    in bench/time_to_target.py)."""
+    return f"{role}@{socket.gethostname()}:{os.getpid()}"
+
+
+def role_of(explorer: str) -> str:
+    """The role part of an :func:`explorer_id`."""
+    return explorer.partition("@")[0]
+
+
+def explore_units(run, t: int, item: dict[str, Any], units: list[str],
+                  role: str = "explorer") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Roll out each unit's seed batch with the exploring policy; yield its rewards as soon as it is done.
+    ``role``: who explores (an explorer, a trainer that joined, or the stage's own process: ``inline``)."""
     policy = run.policy_at(policy_iteration(run.cfg, t))
     for unit in units:
         seeds = item["batches"][unit]
         started = time.perf_counter()
         rewards = rollout_rewards(run, policy, item["prompt"], seeds)
-        yield unit, unit_result(seeds, rewards, time.perf_counter() - started)
+        yield unit, unit_result(seeds, rewards, time.perf_counter() - started, role)
 
 
 def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], inline: bool,
@@ -145,7 +162,7 @@ def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], in
     last_done, last_progress, poll, status_at = -1, time.monotonic(), default_poll_seconds(run.store), 0.0
     while not queue.drained():
         if inline:
-            inline_stats = run_worker(queue, partial(explore_units, run, t), worker_id="inline")
+            inline_stats = run_worker(queue, partial(explore_units, run, t, role="inline"), worker_id="inline")
             continue
         if not joined and isinstance(trainers_join, str) and run.store.is_committed(trainers_join):
             let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
@@ -163,17 +180,18 @@ def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], in
             "trainers_joined": joined}
 
 
-def gather(queue: WorkQueue, items: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[float]], float]:
-    """The explored table in candidate order, and the rollout seconds spent on it."""
+def gather(queue: WorkQueue, items: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[float]], dict[str, float]]:
+    """The explored table in candidate order, and the rollout seconds spent on it per explorer (host:pid)."""
     results = queue.results()
-    seeds, rewards, seconds = [], [], 0.0
+    seeds, rewards, seconds = [], [], {}
     for item in items:
         row_s, row_r = [], []
         for unit in item["units"]:
             r = results[unit]
             row_s += r["seeds"]
             row_r += r["rewards"]
-            seconds += r["seconds"]
+            by = r.get("by", "unknown")
+            seconds[by] = seconds.get(by, 0.0) + r["seconds"]
         seeds.append(row_s)
         rewards.append(row_r)
     return seeds, rewards, seconds

@@ -46,14 +46,24 @@ def select(seeds: list[int], rewards: list[float], g: int) -> Selection:
                      r[:g].std().item(), r.std().item())
 
 
+def first_group(seeds: list[int], rewards: list[float], g: int) -> Selection:
+    """The first G candidates, unselected: the group mode ``none`` trains on (paired seeds)."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    return Selection(seeds[:g], rewards[:g], r[:g].std().item(), r[:g].std().item(), r.std().item())
+
+
 def keep_most_informative(prompts: list[str], seeds: list[list[int]], rewards: list[list[float]], g: int,
-                          keep: int, min_std: float) -> tuple[dict[str, Any], dict[str, Any]]:
+                          keep: int, min_std: float, select_seeds: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per prompt the max-variance group of G seeds, then the ``keep`` prompt groups with the most
     variance (low-variance prompts are replaced by the extra ones explored): the filtered table
-    ``{"prompts", "seeds"}`` and its statistics (a row per explored prompt: what the planner learns from)."""
+    ``{"prompts", "seeds"}`` and its statistics (a row per explored prompt: what the planner learns from).
+
+    ``select_seeds=False`` (the prompt-selection-only ablation): each prompt's group is its first G
+    candidates, and prompts are ranked by that group's std, so only the choice of prompts differs
+    from mode ``none``. (Seed-selection only is the default filter with no extra prompts drawn.)"""
     rows, selections = [], []
     for prompt, row_seeds, row_rewards in zip(prompts, seeds, rewards):
-        sel = select(row_seeds, row_rewards, g)
+        sel = select(row_seeds, row_rewards, g) if select_seeds else first_group(row_seeds, row_rewards, g)
         selections.append(sel)
         rows.append({"prompt": prompt, "candidates": len(row_seeds), "std": sel.std, "random_std": sel.random_std,
                      "candidates_std": sel.candidates_std, "gain": sel.std - sel.random_std, "kept": False})

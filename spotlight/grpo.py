@@ -37,6 +37,7 @@ def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
             "clip_frac": ((ratio - 1).abs() > clip_range).float().mean().item(),
             "approx_kl": (0.5 * log_ratio**2).mean().item(),
             "max_abs_log_ratio": log_ratio.abs().max().item(),
+            "mean_abs_log_ratio": log_ratio.abs().mean().item(),
         }
     return loss, stats
 
@@ -55,8 +56,12 @@ class UpdateBatch:
 def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                batch: UpdateBatch, *, minibatch_size: int, clip_range: float, noise_level: float,
                guidance: float, max_grad_norm: float, kl_beta: float = 0.0, microbatch_size: int | None = None,
+               trained_steps: int | None = None,
                generator: torch.Generator, rank: int = 0, world: int = 1) -> list[dict[str, float]]:
-    """One pass over all (sample, timestep) rows in a seeded shuffled order; one optimizer step per minibatch.
+    """One pass over the (sample, timestep) rows in a seeded shuffled order; one optimizer step per minibatch.
+
+    ``trained_steps``: only each rollout's first that many steps are trained (flow_grpo's
+    ``timestep_fraction``; default all). The rollout's later steps were sampled and scored all the same.
 
     A minibatch is computed in microbatches of ``microbatch_size`` rows (gradient accumulation: a real
     DiT cannot take hundreds of 512 px rows in one pass); the step is that of the whole minibatch.
@@ -68,7 +73,10 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
     weights with the adapter disabled), as flow_grpo does: the squared distance of the step means.
     """
     ro = batch.rollout
-    n, steps = ro.log_probs.shape
+    n, total_steps = ro.log_probs.shape
+    steps = total_steps if trained_steps is None else trained_steps
+    if not 1 <= steps <= total_steps:
+        raise ValueError(f"trained_steps must be in [1, {total_steps}], got {trained_steps}")
     rows = torch.randperm(n * steps, generator=generator)
     stats = []
     for start in range(0, len(rows), minibatch_size):

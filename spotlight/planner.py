@@ -3,7 +3,8 @@
 Budget. Exploration runs while the update step runs, so its budget is what the exploration workers
 can roll out in the update's time. We state both in forward-pass equivalents (deterministic, so a
 resumed run plans exactly as before): an update costs N*S forwards for its rollouts plus ~3 per
-(sample, step) row for the PPO pass (+1 with a KL reference); a candidate costs S_explore forwards.
+trained (sample, step) row for the PPO pass (+1 with a KL reference; ``sampler.timestep_fraction``
+says how many steps per rollout are trained); a candidate costs S_explore forwards.
 The measured seconds are recorded next to the plan (budget used vs available).
 
 Allocation: Thompson sampling over prompts on each prompt's *reward variance* (of its candidates,
@@ -111,9 +112,12 @@ def gain_curve(k: int, g: int) -> float:
     return max_variance_subset(expected, g)[1] * 12**0.5
 
 
-def update_cost_forwards(samples: int, steps: int, kl: bool) -> int:
-    """Forward-pass equivalents of one update step (rollouts + PPO pass over every (sample, step) row)."""
-    return samples * steps * (1 + 3 + (1 if kl else 0))
+def update_cost_forwards(samples: int, steps: int, kl: bool, trained_steps: int | None = None) -> int:
+    """Forward-pass equivalents of one update step: the rollouts (``steps`` forwards per sample) plus the
+    PPO pass over the trained (sample, step) rows (~3 forwards each: forward + backward, +1 for the KL
+    reference); ``trained_steps`` (default ``steps``) is how many steps per rollout the update trains."""
+    trained = steps if trained_steps is None else trained_steps
+    return samples * steps + samples * trained * (3 + (1 if kl else 0))
 
 
 def plan(state: PlannerState, prompts: list[str], *, group_size: int, batch: int, budget_candidates: int,
@@ -148,7 +152,7 @@ def exploration_budget(cfg, t: int, prompts: int) -> int:
     and nothing to overlap, explores ``candidates_per_prompt`` per prompt at least."""
     ec, gc = cfg.exploration, cfg.grpo
     update_forwards = update_cost_forwards(gc.prompts_per_iteration * gc.group_size, cfg.sampler.train_steps,
-                                           gc.kl_beta > 0)
+                                           gc.kl_beta > 0, cfg.trained_steps)
     budget = int(ec.budget_scale * update_forwards / cfg.exploration_steps)
     return max(budget, ec.candidates_per_prompt * prompts) if t == 0 else budget
 

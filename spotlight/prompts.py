@@ -79,11 +79,13 @@ def heldout_prompts(cfg: Config) -> tuple[str, ...]:
 
 def iteration_prompts(cfg: Config, t: int) -> list[str]:
     """Iteration t's prompt groups: a seeded draw without replacement while the set lasts. Exploring
-    modes draw ``extra_prompts`` more, of which the filter keeps the most informative; the first
-    ``prompts_per_iteration`` are the ones mode ``none`` trains on."""
+    modes draw ``extra_prompts`` more (unless they select seeds only), of which the filter keeps the most
+    informative; the first ``prompts_per_iteration`` are the ones mode ``none`` trains on."""
     pool = train_prompts(cfg)
     g = generator(cfg.run.seed, "prompts", t)
-    n = cfg.grpo.prompts_per_iteration + (cfg.exploration.extra_prompts if cfg.exploration.mode != "none" else 0)
+    ec = cfg.exploration
+    extra = ec.extra_prompts if ec.mode != "none" and ec.select != "seeds" else 0
+    n = cfg.grpo.prompts_per_iteration + extra
     order = torch.cat([torch.randperm(len(pool), generator=g) for _ in range(-(-n // len(pool)))])
     return [pool[int(i)] for i in order[:n]]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import matplotlib
 
@@ -32,6 +32,11 @@ class Summary:
     cost_by_iteration: list[tuple[int | None, float]] | None = None  # None: work of no iteration (boots, idle tails)
     target: float | None = None
     target_reached: dict | None = None  # iteration, eval_reward, cost_usd, seconds (None: not reached)
+    # what the reward does not see (spotlight.quality), per evaluation: within-prompt diversity relative to
+    # theta_0's, and the digits' realism (mean distance to the nearest real digits; None: skipped)
+    diversity_vs_base: list[tuple[int, float]] = field(default_factory=list)
+    realism_digits: list[tuple[int, float | None]] = field(default_factory=list)
+    realism_digits_real: float | None = None
 
     @property
     def eval_first_last(self) -> tuple[float, float] | None:
@@ -46,6 +51,8 @@ class Summary:
             "ranking_spearman": self.ranking_spearman, "cost_usd": self.cost_usd, "cost_entries": self.cost_entries,
             "cost_by_stage": self.cost_by_stage, "cost_by_iteration": self.cost_by_iteration,
             "target": self.target, "target_reached": self.target_reached,
+            "diversity_vs_base": self.diversity_vs_base, "realism_digits": self.realism_digits,
+            "realism_digits_real": self.realism_digits_real,
         }
 
 
@@ -96,18 +103,34 @@ def write_report(run: Run, target: float | None = None) -> Summary:
     store = run.store
     updates = committed_metrics(store, "iterations", "update")
     evals = committed_metrics(store, "evaluations")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    quality = [m for m in evals if m.get("diversity") is not None]
+    fig, (ax, qax) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=(3, 2))
     if updates:
         ax.plot([m["iteration"] for m in updates], [m["train_reward_mean"] for m in updates],
                 label=f"train reward ({run.cfg.rewards.describe('train')}, SDE rollouts)", alpha=0.8)
     if evals:
         ax.plot([m["iteration"] for m in evals], [m["eval_reward"] for m in evals], "o-",
                 label=f"held-out reward ({run.cfg.rewards.describe('eval')}, ODE, fixed seeds)")
-    ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
     ax.set_title(f"{run.cfg.run.name}: exploration mode {run.cfg.exploration.mode}")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+    # what the reward does not see, on the same evaluation samples, relative to theta_0 (1 = as the base)
+    if quality:
+        its = [m["iteration"] for m in quality]
+        qax.plot(its, [m["diversity_vs_base"] for m in quality], "s-", label="within-prompt diversity (pixel RMS)")
+        base_realism = quality[0].get("realism_digits") if quality[0]["iteration"] == 0 else None
+        if base_realism:
+            qax.plot(its, [m["realism_digits"] / base_realism for m in quality], "^-",
+                     label="distance to the nearest real digits (lower: more realistic)")
+            qax.axhline(quality[0]["realism_digits_real"] / base_realism, color="grey", ls=":",
+                        label="real digits' own distance")
+        qax.axhline(1.0, color="black", lw=0.5)
+        qax.legend(loc="best", fontsize="small")
+    qax.set_ylabel("relative to theta_0")
+    qax.set_xlabel("iteration")
+    qax.grid(alpha=0.3)
+    fig.tight_layout()
     store.write_bytes("report/reward_curve.png", png_bytes(fig))
     plt.close(fig)
     if evals:
@@ -131,6 +154,9 @@ def write_report(run: Run, target: float | None = None) -> Summary:
         cost_entries=len(entries),
         cost_by_stage=by_stage(entries),
         cost_by_iteration=sorted(by_iteration(entries).items(), key=lambda kv: -1 if kv[0] is None else kv[0]),
+        diversity_vs_base=[(m["iteration"], m["diversity_vs_base"]) for m in quality],
+        realism_digits=[(m["iteration"], m["realism_digits"]) for m in quality],
+        realism_digits_real=next((m.get("realism_digits_real") for m in quality), None),
     )
     target = run.cfg.evaluation.target if target is None else target
     if target is not None:

@@ -25,8 +25,9 @@ from spotlight.planner import PlannerState, plan_exploration
 from spotlight.pretrain import (BaseTrainer, classifier_accuracy, load_optimizer_tensors, optimizer_tensors,
                                 train_classifier)
 from spotlight.prompts import evaluation_prompts, iteration_prompts
+from spotlight.quality import quality_metrics
 from spotlight.run import Run, distributed
-from spotlight.sampler import encode_conditioning, sample_ode_batched, sample_sde_batched
+from spotlight.sampler import Rollout, encode_conditioning, sample_ode_batched, sample_sde_batched
 from spotlight.seeding import derive_seed, generator
 from spotlight.store import Commit, json_bytes, tensors_to_bytes
 
@@ -112,10 +113,13 @@ def explore(run: Run, t: int, key: str, pool: bool = False, trainers_join: bool 
         trainers_join = True  # no explorers: the trainers explore
     queue = exploration.queue_for(run, t)  # one object: its caches of items and results serve gather too
     waited = exploration.explore_queue(run, t, queue, items, inline=not pool, trainers_join=trainers_join)
-    seeds, rewards, rollout_seconds = exploration.gather(queue, items)
+    seeds, rewards, by_explorer = exploration.gather(queue, items)
+    rollout_seconds = sum(by_explorer.values())
+    own = sum(s for by, s in by_explorer.items() if exploration.role_of(by) != "explorer")  # trainers' (and inline)
     explorers = (cfg.placement.explorer.workers if pool else 0) + \
         (cfg.placement.trainer.workers if waited["trainers_joined"] else 0) + (0 if pool else 1)
     stats = {**waited, "rollout_seconds": rollout_seconds, "candidates": sum(map(len, seeds)),
+             "trainer_rollout_seconds": own, "worker_rollout_seconds": rollout_seconds - own,
              "policy_iteration": exploration.policy_iteration(cfg, t), "explorers": explorers,
              "worker_utilisation": rollout_seconds / max(waited["wall_seconds"], 1e-9) / max(explorers, 1)}
     table = {"prompts": prompts, "seeds": seeds, "rewards": rewards}
@@ -144,7 +148,8 @@ def filter_seeds(run: Run, t: int, key: str) -> Commit:
         chosen = {"prompts": explored["prompts"], "seeds": [s[:g] for s in explored["seeds"]]}
         return run.store.commit(key, {"filtered.json": json_bytes(chosen), "stats.json": json_bytes({})})
     kept, stats = keep_most_informative(explored["prompts"], explored["seeds"], explored["rewards"], g,
-                                        cfg.grpo.prompts_per_iteration, cfg.exploration.min_std)
+                                        cfg.grpo.prompts_per_iteration, cfg.exploration.min_std,
+                                        select_seeds=cfg.exploration.select != "prompts")
     return run.store.commit(key, {"filtered.json": json_bytes(kept), "stats.json": json_bytes(stats)})
 
 
@@ -175,6 +180,42 @@ def ranking_check(run: Run, t: int, key: str) -> Commit:
 
 
 # -- update -----------------------------------------------------------------------------------
+def sharded_rollouts(run: Run, policy, reward, prompts: list[str], seeds: list[int], groups: int,
+                     accelerator: Accelerator | None) -> tuple[Rollout, dict[str, torch.Tensor], int]:
+    """The update's SDE rollouts and reward components, in prompt-group order, and how many processes
+    shared them.
+
+    Data parallel (``accelerator`` with several processes): rank r rolls out and scores the r-th
+    contiguous block of prompt groups, and the ranks all-gather them, so N processes share the
+    rollouts as a user of N GPUs would (each seed's noise is its own, so a sample is the same
+    experiment on whichever rank; the numbers differ from one process's only in the last bits, as
+    CPU matmuls are not batch-invariant). With fewer groups than ranks every rank rolls out all.
+    """
+    sc = run.cfg.sampler
+    world = accelerator.num_processes if accelerator is not None else 1
+    if world == 1 or groups < world:
+        rollout = sample_sde_batched(policy, prompts, seeds, sc.batch_size, steps=sc.train_steps,
+                                     noise_level=sc.noise_level, guidance=sc.guidance,
+                                     negative_prompt=sc.negative_prompt)
+        return rollout, reward.components(rollout.images, prompts), 1
+    per_group = len(prompts) // groups
+    block = torch.tensor_split(torch.arange(groups), world)[accelerator.process_index]
+    lo, hi = int(block[0]) * per_group, (int(block[-1]) + 1) * per_group
+    mine = sample_sde_batched(policy, prompts[lo:hi], seeds[lo:hi], sc.batch_size, steps=sc.train_steps,
+                              noise_level=sc.noise_level, guidance=sc.guidance, negative_prompt=sc.negative_prompt)
+    shard = {"latents": mine.latents.cpu(), "log_probs": mine.log_probs.cpu(), "images": mine.images.cpu(),
+             "components": reward.components(mine.images, prompts[lo:hi])}
+    shards: list[Any] = [None] * world
+    torch.distributed.all_gather_object(shards, shard)
+    device = policy.device
+    rollout = Rollout(list(prompts), [int(s) for s in seeds],
+                      torch.cat([x["latents"] for x in shards]).to(device),
+                      torch.cat([x["log_probs"] for x in shards]).to(device),
+                      torch.cat([x["images"] for x in shards]).to(device))
+    components = {name: torch.cat([x["components"][name] for x in shards]) for name in shard["components"]}
+    return rollout, components, world
+
+
 @committed_stage(iteration_key("update"))
 def update(run: Run, t: int, key: str) -> Commit:
     """Rollouts with theta_t on the filtered seeds, rewards, group advantages, PPO-clip steps -> theta_{t+1}."""
@@ -189,19 +230,19 @@ def update(run: Run, t: int, key: str) -> Commit:
         load_optimizer_tensors(optimizer, run.store.load(run.key("update", t - 1)).tensors("optimizer.safetensors"))
     prompts = [p for p, seeds in zip(chosen["prompts"], chosen["seeds"]) for _ in seeds]
     seeds = [s for group in chosen["seeds"] for s in group]
+    # Under `accelerate launch` / torchrun (sky/update.yaml, several GPUs or nodes; bench's data-parallel
+    # baseline) each rank rolls out and scores its share of the prompt groups, the ranks exchange them,
+    # and then every rank trains its share of each minibatch (DDP); in one process this changes nothing.
+    accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
     policy.eval()
-    rollout = sample_sde_batched(policy, prompts, seeds, sc.batch_size, steps=sc.train_steps,
-                                 noise_level=sc.noise_level, guidance=sc.guidance, negative_prompt=sc.negative_prompt)
     reward = run.weighted_reward("train")
-    components = reward.components(rollout.images, prompts)
+    rollout, components, shards = sharded_rollouts(run, policy, reward, prompts, seeds, len(chosen["prompts"]),
+                                                   accelerator)
     rewards = reward.combine(components)
     grouped = rewards.view(len(chosen["prompts"]), -1)
     advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip).flatten().to(run.device)
     cond, uncond = encode_conditioning(policy, prompts, sc.guidance, sc.negative_prompt)
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(run.device))
-    # Under `accelerate launch` (sky/trainer.yaml on several GPUs or nodes) the transformer is wrapped in
-    # DDP and every rank trains on its share of each minibatch; in one process this changes nothing.
-    accelerator = Accelerator(cpu=run.device.type == "cpu") if distributed() else None
     if accelerator is not None:
         policy.transformer, optimizer = accelerator.prepare(policy.transformer, optimizer)
     policy.train()
@@ -210,6 +251,7 @@ def update(run: Run, t: int, key: str) -> Commit:
         stats += grpo_epoch(policy, params, optimizer, batch, minibatch_size=gc.minibatch_size,
                             clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
                             max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, microbatch_size=gc.microbatch_size,
+                            trained_steps=cfg.trained_steps,
                             generator=generator(cfg.run.seed, "minibatches", t, epoch),
                             rank=accelerator.process_index if accelerator else 0,
                             world=accelerator.num_processes if accelerator else 1)
@@ -230,10 +272,15 @@ def update(run: Run, t: int, key: str) -> Commit:
         "zero_variance_groups": (group_std < 1e-3).float().mean().item(),
         "prompts_trained": len(chosen["prompts"]),
         "first_log_ratio": stats[0]["max_abs_log_ratio"],
+        # the scale clip_range is compared with: |log ratio| over the rows (first minibatch: ~0, same weights)
+        "mean_abs_log_ratio": sum(s["mean_abs_log_ratio"] for s in stats) / len(stats),
+        "max_abs_log_ratio": max(s["max_abs_log_ratio"] for s in stats),
+        "trained_steps": cfg.trained_steps,
         "clip_frac": sum(s["clip_frac"] for s in stats) / len(stats),
         "approx_kl": sum(s["approx_kl"] for s in stats) / len(stats),
         "optimizer_steps": len(stats),
         "data_parallel_processes": accelerator.num_processes if accelerator else 1,
+        "rollout_shards": shards,  # processes that shared the rollouts
         "seconds": time.perf_counter() - started,
     }
     objects = {
@@ -271,8 +318,11 @@ def evaluation_key(run: Run, t: int) -> str:
 
 @committed_stage(evaluation_key)
 def evaluate(run: Run, t: int, key: str) -> Commit:
-    """ODE samples of theta_t on the fixed evaluation prompts and seeds, scored by the held-out and training rewards."""
+    """ODE samples of theta_t on the fixed evaluation prompts and seeds, scored by the held-out and training
+    rewards, and by what the rewards do not see (:mod:`spotlight.quality`): within-prompt diversity
+    (also relative to theta_0's) and, for digits, realism."""
     sc = run.cfg.sampler
+    base = evaluate(run, 0).json("metrics.json") if t > 0 else None  # the reference of diversity_vs_base
     policy = run.policy_at(t)
     prompts, seeds = evaluation_prompts(run.cfg)
     images = sample_ode_batched(policy, prompts, seeds, sc.batch_size, steps=sc.eval_steps, guidance=sc.guidance,
@@ -280,9 +330,12 @@ def evaluate(run: Run, t: int, key: str) -> Commit:
     held_out = run.weighted_reward("eval")(images, prompts)
     train = run.weighted_reward("train")(images, prompts)
     n_prompts = len(prompts) // run.cfg.evaluation.seeds_per_prompt
+    quality = quality_metrics(images, n_prompts, digit_images=run.cfg.model.kind == "tiny-mmdit")
+    diversity_vs_base = (quality["diversity"] / base["diversity"] if base and base.get("diversity") else
+                         1.0 if quality["diversity"] is not None else None)
     metrics = {"iteration": t, "eval_reward": held_out.mean().item(), "train_reward_on_eval": train.mean().item(),
                "eval_reward_per_prompt": held_out.view(n_prompts, -1).mean(dim=1).tolist(),
-               "prompts": list(dict.fromkeys(prompts))}
+               "prompts": list(dict.fromkeys(prompts)), **quality, "diversity_vs_base": diversity_vs_base}
     return run.store.commit(key, {"metrics.json": json_bytes(metrics),
                                   "samples.safetensors": tensors_to_bytes({"grid": sample_grid(images, n_prompts)})},
                             {"iteration": t})

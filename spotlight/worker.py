@@ -371,7 +371,7 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
                     queue.lease_seconds = lease
                     idle, t0, stats = ledger.idle(), time.time(), None
                     try:
-                        stats = run_worker(queue, functools.partial(explore_units, run, t), worker_id=worker_id,
+                        stats = run_worker(queue, functools.partial(explore_units, run, t, role=kind), worker_id=worker_id,
                                            stop=stop, poll_seconds=poll_seconds, idle_exit_seconds=0.0)
                     finally:
                         if stats is None or stats["items_claimed"]:

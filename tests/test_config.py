@@ -68,7 +68,7 @@ def test_run_refuses_a_different_config(tmp_path, small_overrides):
     from spotlight.run import open_run
 
     open_run(load_config(REPO / "configs/tiny.yaml", small_overrides))
-    with pytest.raises(ConfigError, match=r"grpo.lr: 0.0001 \(started\) vs 0.5 \(now\)"):
+    with pytest.raises(ConfigError, match=r"grpo.lr: 0.0002 \(started\) vs 0.5 \(now\)"):
         open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, "grpo.lr=0.5"]))
 
 
@@ -136,7 +136,7 @@ def test_placement_may_change_on_resume_and_is_recorded_while_the_recipe_stays_p
     worker_view = open_run_from_url(run.store.url)  # what a worker opening the run by its URL sees
     assert worker_view.cfg.placement == run.cfg.placement and worker_view.cfg.placement.explorer.workers == 4
     assert current_placement(run.store, first.cfg)["lease_seconds"] == 60.0
-    with pytest.raises(ConfigError, match=r"grpo.lr: 0.0001 \(started\) vs 0.5 \(now\)"):
+    with pytest.raises(ConfigError, match=r"grpo.lr: 0.0002 \(started\) vs 0.5 \(now\)"):
         open_run(load_config(REPO / "configs/tiny.yaml", [*small_overrides, *moved, "grpo.lr=0.5"]))
 
 

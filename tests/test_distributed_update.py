@@ -1,6 +1,7 @@
 """A trainer spanning several processes (as `accelerate launch` runs it in sky/trainer.yaml on several GPUs
-or nodes): rank 0 pulls the posted update, every rank trains its share of each minibatch over gloo, and the
-result equals the single-process update up to float reduction order, committed once."""
+or nodes): rank 0 pulls the posted update, each rank rolls out half of the prompt groups and trains its
+share of each minibatch over gloo, and the result equals the single-process update up to float reduction
+order and batch composition, committed once."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_two_process_trainer_update_matches_single_process(tmp_path: Path, cache
     assert proc.returncode == 0, out[-4000:]
     assert done["worker"] == "ddp" and out.count("trainer worker ddp on") == 1, "rank 0 alone pulls and reports"
     metrics = store.load("iterations/0000/update").json("metrics.json")
-    assert metrics["data_parallel_processes"] == 2
+    assert metrics["data_parallel_processes"] == 2 and metrics["rollout_shards"] == 2  # each rank rolled out half
     a = RunStore(f"file://{single}").load("iterations/0000/update").tensors("policy.safetensors")
     b = store.load("iterations/0000/update").tensors("policy.safetensors")
     base = RunStore(cache_url).load(next(k for k in RunStore(cache_url).list("") if k.startswith("base-"))

@@ -18,7 +18,7 @@ from scipy.stats import spearmanr
 
 from spotlight.config import load_config
 from spotlight.exploration import candidate_seeds, make_items, spearman
-from spotlight.filter import max_variance_subset, select
+from spotlight.filter import keep_most_informative, max_variance_subset, select
 from spotlight.planner import PlannerState, plan
 from tests.conftest import REPO, SMALL, cli_env, spotlight_cmd
 
@@ -37,6 +37,20 @@ def test_select_reports_gain_over_random_group():
     sel = select([10, 11, 12, 13, 14, 15], [0.5, 0.5, 0.5, 0.5, 0.0, 1.0], 4)
     assert sorted(sel.seeds) == [10, 11, 14, 15] or set(sel.seeds) >= {14, 15}
     assert sel.random_std == 0.0 and sel.std > 0.4
+
+
+def test_ablations_select_prompts_only_or_seeds_only():
+    prompts, seeds = ["a", "b", "c"], [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    rewards = [[0.5, 0.5, 0.0, 1.0], [0.0, 1.0, 0.5, 0.5], [0.4, 0.6, 0.5, 0.5]]
+    both, _ = keep_most_informative(prompts, seeds, rewards, 2, 2, 0.0)
+    assert both == {"prompts": ["a", "b"], "seeds": [[3, 4], [5, 6]]}  # a's best pair is not its first two
+    only_prompts, _ = keep_most_informative(prompts, seeds, rewards, 2, 2, 0.0, select_seeds=False)
+    assert only_prompts == {"prompts": ["b", "c"], "seeds": [[5, 6], [9, 10]]}  # ranked by the first G seeds
+    cfg = load_config(REPO / "configs/tiny.yaml", ["exploration.select=seeds"])
+    from spotlight.prompts import iteration_prompts
+
+    assert len(iteration_prompts(cfg, 0)) == cfg.grpo.prompts_per_iteration  # no extra prompts
+    assert iteration_prompts(cfg, 0) == iteration_prompts(load_config(REPO / "configs/tiny.yaml"), 0)[:8]
 
 
 def test_spearman_matches_scipy():

@@ -203,3 +203,30 @@ def test_batched_rollouts_are_the_same_rollouts():
     assert parts.seeds == whole.seeds and parts.latents.shape == whole.latents.shape
     torch.testing.assert_close(parts.latents, whole.latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(parts.log_probs, whole.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_sigmas_are_sd3_scheduler_sigmas():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    assert torch.equal(tiny_policy().sigmas(10), scheduler.sigmas)
+    assert sigma_schedule(10, 3.0)[-2] < 0.01  # the last SDE step starts near 0: it adds almost no noise
+
+
+def test_timestep_fraction_trains_only_the_first_steps():
+    assert Config().trained_steps == 9  # flow_grpo: int(10 * 0.99)
+    policy = tiny_policy()
+    prompts, seeds = PROMPTS * 2, list(range(4))
+    rollout = sample_sde(policy, prompts, seeds, steps=4, noise_level=0.7)
+    batch = UpdateBatch(rollout, policy.encode_prompts(prompts), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                        sigma_schedule(4, 3.0))
+    params = list(policy.transformer.parameters())
+    seen = []
+    original = policy.velocity
+    policy.velocity = lambda latents, sigma, *a, **k: seen.append(sigma.clone()) or original(latents, sigma, *a, **k)
+    stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=0.0), batch, minibatch_size=3, clip_range=0.2,
+                       noise_level=0.7, guidance=1.0, max_grad_norm=1.0, trained_steps=3,
+                       generator=torch.Generator().manual_seed(0))
+    assert sum(s["rows"] for s in stats) == 4 * 3  # 4 samples x their first 3 of 4 steps
+    assert set(torch.cat(seen).tolist()) == set(sigma_schedule(4, 3.0)[:3].tolist())

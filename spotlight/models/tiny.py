@@ -1,16 +1,18 @@
 """The embedded default policy: a ~2M-parameter SD3-style MMDiT on 1x16x16 digit images, built from a config.
 
 Pixel space (no VAE), a frozen random embedding per digit prompt standing in for the text encoders,
-and SD3's statically shifted sigma schedule. It implements the same :class:`~spotlight.models.policy.Policy`
+and SD3's sigma schedule as its pipeline computes it (diffusers' FlowMatchEulerDiscreteScheduler with
+static shift 3.0). It implements the same :class:`~spotlight.models.policy.Policy`
 seam as the diffusers pipelines, so every RL feature (LoRA, CFG, data parallel) runs on it too.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import torch
-from diffusers import SD3Transformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 from torch import nn
 
 from spotlight.config import Config, TinyModelSection
@@ -20,10 +22,22 @@ from spotlight.models.policy import DiffusionPolicy, PromptEmbeds
 DEFAULT_SHIFT = 3.0  # SD3's
 
 
+@lru_cache(maxsize=32)
+def _scheduler_sigmas(steps: int, shift: float) -> tuple[float, ...]:
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)  # SD3's: 1000 training timesteps, static shift
+    scheduler.set_timesteps(steps, device="cpu")
+    return tuple(scheduler.sigmas.tolist())
+
+
 def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:
-    """``steps + 1`` noise levels from 1 to 0 with SD3's timestep shift ``s*t / (1 + (s-1)*t)``."""
-    s = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-    return (shift * s / (1 + (shift - 1) * s)).float()
+    """``steps + 1`` noise levels from 1 to 0, exactly as SD3's pipeline gets them:
+    ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(steps).sigmas``, i.e. the timestep
+    shift ``s*t / (1 + (s-1)*t)`` of ``linspace(1, 1/1000, steps)``, then a final 0.
+
+    The last step therefore starts at sigma ~0.009 (shift 3), so the SDE's last step adds noise of
+    std ~0.006 to the sample the reward scores. (The former ``linspace(1, 0, steps + 1)`` form, FLUX's,
+    started the last step at sigma 0.25 and added noise of std ~0.2.)"""
+    return torch.tensor(_scheduler_sigmas(steps, float(shift)), dtype=torch.float32)
 
 
 class FrozenPromptEncoder(nn.Module):
