@@ -21,6 +21,13 @@ def tiny_policy(seed: int = 0):
     return build_policy(Config(model=TinyModelSection(num_layers=1))).eval()
 
 
+def update_batch(policy, samples: int, steps: int, advantages: torch.Tensor) -> UpdateBatch:
+    """SDE rollouts of PROMPTS (repeated to ``samples``, seeds 0..samples-1) as an update batch."""
+    prompts, seeds = PROMPTS * (samples // len(PROMPTS)), list(range(samples))
+    rollout = sample_sde(policy, prompts, seeds, steps=steps, noise_level=0.7)
+    return UpdateBatch(rollout, policy.encode_prompts(prompts), None, advantages, sigma_schedule(steps, 3.0))
+
+
 def test_policy_is_a_small_sd3_mmdit():
     from diffusers import SD3Transformer2DModel
 
@@ -160,10 +167,7 @@ def test_classifier_reward_is_probability_of_the_prompted_digit():
 
 def test_data_parallel_ranks_split_each_minibatch():
     policy = tiny_policy()
-    prompts, seeds = PROMPTS * 2, list(range(4))
-    rollout = sample_sde(policy, prompts, seeds, steps=3, noise_level=0.7)
-    batch = UpdateBatch(rollout, policy.encode_prompts(prompts), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                        sigma_schedule(3, 3.0))
+    batch = update_batch(policy, 4, 3, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     params = list(policy.transformer.parameters())
     stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=0.0), batch, minibatch_size=5, clip_range=0.2,
                        noise_level=0.7, guidance=1.0, max_grad_norm=1.0, generator=torch.Generator().manual_seed(0),
@@ -175,10 +179,7 @@ def test_microbatches_accumulate_the_minibatch_step():
     """A minibatch computed in microbatches (gradient accumulation) takes the same step as in one pass."""
     def epoch(microbatch):
         policy = tiny_policy()
-        prompts, seeds = PROMPTS * 4, list(range(8))
-        rollout = sample_sde(policy, prompts, seeds, steps=4, noise_level=0.7)
-        batch = UpdateBatch(rollout, policy.encode_prompts(prompts), None,
-                            group_advantages(torch.arange(8.0).view(2, 4)).flatten(), sigma_schedule(4, 3.0))
+        batch = update_batch(policy, 8, 4, group_advantages(torch.arange(8.0).view(2, 4)).flatten())
         params = list(policy.transformer.parameters())
         stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=1e-2), batch, minibatch_size=16,
                            microbatch_size=microbatch, clip_range=0.2, noise_level=0.7, guidance=1.0,
@@ -217,10 +218,7 @@ def test_tiny_sigmas_are_sd3_scheduler_sigmas():
 def test_timestep_fraction_trains_only_the_first_steps():
     assert Config().trained_steps == 9  # flow_grpo: int(10 * 0.99)
     policy = tiny_policy()
-    prompts, seeds = PROMPTS * 2, list(range(4))
-    rollout = sample_sde(policy, prompts, seeds, steps=4, noise_level=0.7)
-    batch = UpdateBatch(rollout, policy.encode_prompts(prompts), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                        sigma_schedule(4, 3.0))
+    batch = update_batch(policy, 4, 4, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     params = list(policy.transformer.parameters())
     seen = []
     original = policy.velocity
