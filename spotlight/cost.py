@@ -18,28 +18,49 @@ carries the instance and its price per hour:
 
 Beside the attempt's own ``seconds`` an entry has ``idle_seconds``: how long the worker was held but
 idle (booting, waiting for work) since its previous entry, which a long-lived worker pays for too.
+A worker writes through its :class:`Ledger`, which carries that idle time; how the attempt ended is
+an :class:`Outcome`.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import socket
 import statistics
 import time
+from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from spotlight.pool import read_slot
 from spotlight.store import AlreadyExistsError, RunStore, json_bytes
 
 PREFIX = "cost"
+log = logging.getLogger(__name__)
 CATALOG_DIR = Path(__file__).resolve().parent.parent / "sky" / "catalog" / "v8"
 
 
 class PriceError(ValueError):
     """An instance or accelerator the catalog cannot price; the message names it."""
+
+
+class Outcome(StrEnum):
+    """How the attempt of a ledger entry ended (its ``outcome``; an entry read back holds the plain string)."""
+
+    OK = "ok"                  # the work is done: a stage committed, an item completed, a worker booted
+    FAILED = "failed"          # the stage or handler raised (a stage's failed.json has the error)
+    PREEMPTED = "preempted"    # SIGTERM: the stage was abandoned, or the item released with its finished units
+    LEASE_LOST = "lease-lost"  # the lease expired and another worker took the item over: it finishes it
+    REGROUP = "regroup"        # an SP explorer group released its item to change its membership
+    EXIT = "exit"              # a worker's idle tail as it leaves (stage ``idle``)
+
+
+#: attempt outcomes that did not finish their work
+NOT_OK = frozenset({Outcome.FAILED, Outcome.PREEMPTED, Outcome.LEASE_LOST, Outcome.REGROUP})
 
 
 def record(store: RunStore, stage: str, iteration: int | None, seconds: float, price_per_hour: float,
@@ -72,6 +93,34 @@ def record(store: RunStore, stage: str, iteration: int | None, seconds: float, p
             continue
 
 
+class Ledger:
+    """One worker's writer of ledger entries: each attempt with the idle time (held, waiting) since the
+    worker's previous entry (or since it was made: the boot). Priced where the worker runs now
+    (:func:`worker_instance`: the pool's slot record, else ``local_price``). A failed write is logged,
+    never raised: a ledger write must not turn into a lost stage."""
+
+    def __init__(self, store: RunStore, worker: str, kind: str, local_price: float, slot: str | None = None):
+        self.store, self.worker, self.kind, self.local_price, self.slot = store, worker, kind, local_price, slot
+        self.idle_from = time.time()  # the end of the previous entry: idle time starts here
+
+    def idle(self) -> float:
+        """Seconds held and idle since the previous entry."""
+        return max(0.0, time.time() - self.idle_from)
+
+    def record(self, stage: str, iteration: int | None, seconds: float, outcome: Outcome, idle_seconds: float,
+               **extra: Any) -> None:
+        """Write the attempt's entry (``extra``: attempt, units, degree, ...); idle time restarts now."""
+        try:
+            where = worker_instance(self.store, self.kind, self.local_price, self.slot)
+            record(self.store, stage, iteration, max(seconds, 0.0), where["price_per_hour"],
+                   f"{self.worker} on {where['instance']}", worker=self.worker, kind=self.kind,
+                   instance=where["instance"], price_source=where["price_source"], outcome=outcome,
+                   idle_seconds=idle_seconds, **extra)
+        except Exception as e:  # noqa: BLE001 - a ledger write must never turn into a lost stage
+            log.warning("cost entry for %s %s not written: %s", stage, iteration, e)
+        self.idle_from = time.time()
+
+
 def ledger(store: RunStore) -> list[dict[str, Any]]:
     """All entries of the run, ordered by iteration (none first), stage and time."""
     entries = [store.get_json(f"{PREFIX}/{name}") for name in store.list(PREFIX) if name.endswith(".json")]
@@ -89,8 +138,6 @@ def total(store: RunStore) -> float:
     return sum(entry_cost(e) for e in ledger(store))
 
 
-NOT_OK = ("failed", "preempted", "lease-lost", "regroup")  # attempt outcomes that did not finish their work
-# (regroup: an SP explorer group released its item to change its membership)
 KIND_OF_STAGE = {"pretrain": "trainer", "update": "trainer", "evaluate": "trainer", "ranking": "trainer",
                  "explore": "explorer"}
 
@@ -216,8 +263,6 @@ def worker_instance(store: RunStore, kind: str, local_price: float, slot: str | 
     SkyPilot worker (``SPOTLIGHT_SLOT`` set by the launcher): the pool's record of its job's resources,
     if it matches where this process runs (``SKYPILOT_CLUSTER_INFO``); else the catalog price of the
     record's accelerator in the region this process runs in. Local worker: the configured price."""
-    from spotlight.stage_queue import read_slot
-
     env = os.environ if environ is None else environ
     slot = slot or env.get("SPOTLIGHT_SLOT")
     record = read_slot(store, slot) if slot else None

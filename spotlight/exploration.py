@@ -19,12 +19,13 @@ from typing import Any, Iterator
 import torch
 
 from spotlight.config import Config
+from spotlight.pool import default_poll_seconds
+from spotlight.queue_worker import run_worker
+from spotlight.run import Run
 from spotlight.sampler import Rollout, sample_sde
 from spotlight.seeding import SEED_SPACE, generator
-from spotlight.stage_queue import default_poll_seconds
 from spotlight.store import AlreadyExistsError, json_bytes
 from spotlight.work_queue import WorkQueue
-from spotlight.worker import run_worker
 
 QUEUE_PREFIX = "queues"
 
@@ -34,7 +35,7 @@ def policy_iteration(cfg: Config, t: int) -> int:
     return max(t - 1, 0) if cfg.exploration.mode == "spotlight" else t
 
 
-def queue_for(run, t: int) -> WorkQueue:
+def queue_for(run: Run, t: int) -> WorkQueue:
     return WorkQueue(run.store, f"{QUEUE_PREFIX}/explore-{t:04d}", lease_seconds=run.cfg.placement.lease_seconds)
 
 
@@ -55,7 +56,7 @@ def trainers_may_join(queue: WorkQueue) -> bool:
     return queue.store.exists(join_key(queue))
 
 
-def open_queues(run, final: set[str] | None = None) -> list[tuple[int, WorkQueue]]:
+def open_queues(run: Run, final: set[str] | None = None) -> list[tuple[int, WorkQueue]]:
     """Published exploration queues that still have unfinished items, oldest first. ``final`` caches the
     names of drained queues (they never reopen), so a long run's history is not re-read every poll."""
     final = set() if final is None else final
@@ -100,7 +101,7 @@ def exploration_rollout(cfg: Config, policy, prompts: list[str], seeds: list[int
                       negative_prompt=cfg.sampler.negative_prompt)
 
 
-def unit_rewards(run, images: torch.Tensor, prompt: str) -> list[float]:
+def unit_rewards(run: Run, images: torch.Tensor, prompt: str) -> list[float]:
     """Training rewards of one prompt's images, scored as one batch (a unit's, whoever rolled it out)."""
     return run.weighted_reward("train")(images, [prompt] * len(images)).tolist()
 
@@ -111,7 +112,7 @@ def unit_result(seeds: list[int], rewards: list[float], seconds: float, role: st
     return {"seeds": seeds, "rewards": rewards, "seconds": seconds, "by": explorer_id(role)}
 
 
-def rollout_rewards(run, policy, prompt: str, seeds: list[int], steps: int | None = None) -> list[float]:
+def rollout_rewards(run: Run, policy, prompt: str, seeds: list[int], steps: int | None = None) -> list[float]:
     """Training rewards of SDE rollouts of ``prompt`` with these seeds, on the training rollout's noise
     path: with ``cfg.exploration_steps`` steps (the default: an exploration batch) or ``steps``."""
     return unit_rewards(run, exploration_rollout(run.cfg, policy, [prompt] * len(seeds), seeds, steps).images, prompt)
@@ -129,7 +130,7 @@ def role_of(explorer: str) -> str:
     return explorer.partition("@")[0]
 
 
-def explore_units(run, t: int, item: dict[str, Any], units: list[str],
+def explore_units(run: Run, t: int, item: dict[str, Any], units: list[str],
                   role: str = "explorer") -> Iterator[tuple[str, dict[str, Any]]]:
     """Roll out each unit's seed batch with the exploring policy; yield its rewards as soon as it is done.
     ``role``: who explores (an explorer, a trainer that joined, or the stage's own process: ``inline``)."""
@@ -141,7 +142,7 @@ def explore_units(run, t: int, item: dict[str, Any], units: list[str],
         yield unit, unit_result(seeds, rewards, time.perf_counter() - started, role)
 
 
-def explore_queue(run, t: int, queue: WorkQueue, items: list[dict[str, Any]], inline: bool,
+def explore_queue(run: Run, t: int, queue: WorkQueue, items: list[dict[str, Any]], inline: bool,
                   trainers_join: bool | str = False) -> dict[str, Any]:
     """Publish the items and wait until they are explored.
 

@@ -10,9 +10,8 @@ Layout, under the run store::
 
     stages/{stage}-{t:04d}-a{NN}/            attempt NN of a stage: a WorkQueue with one item, one unit
     stages/{stage}-{t:04d}-a{NN}/failed.json the attempt failed: worker, error, traceback tail (create-only)
-    pool/done.json                           the flow is over: workers exit
-    pool/broken.json                         a worker could not be kept alive: waiting stages fail with it
-    pool/slots/{slot}.json                   a worker slot's instance and price (written by the pool)
+
+(the pool's markers, ``pool/``, are :mod:`spotlight.pool`'s.)
 
 Posting is idempotent: ``post`` returns the newest attempt unless it failed, so a Prefect retry or a
 restarted flow waits on the work in flight instead of starting it twice; a failed attempt is final and
@@ -25,19 +24,18 @@ first (``WorkQueue.release_stale``).
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from spotlight.pool import default_poll_seconds, pool_broken
 from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
 from spotlight.work_queue import WorkQueue
 
 STAGE_PREFIX = "stages"
 TRAINER_STAGES = ("pretrain", "evaluate", "ranking", "update")  # the order a trainer takes open requests in
-POOL_DONE, POOL_BROKEN, POOL_SLOTS = "pool/done.json", "pool/broken.json", "pool/slots"
 _REQUEST = re.compile(r"([a-z]+)-(\d{4})-a(\d{2})")
 
 
@@ -47,14 +45,6 @@ class StageFailed(RuntimeError):
     def __init__(self, message: str, record: dict[str, Any]):
         super().__init__(message)
         self.record = record
-
-
-def default_poll_seconds(store: RunStore) -> float:
-    """How often to look at the queue: a local disk is cheap to poll, S3 requests cost ~20 ms and money.
-    ``SPOTLIGHT_POLL_SECONDS`` overrides it (e.g. an S3-compatible server on the same machine)."""
-    if os.environ.get("SPOTLIGHT_POLL_SECONDS"):
-        return float(os.environ["SPOTLIGHT_POLL_SECONDS"])
-    return 0.02 if store.is_local else 0.5
 
 
 @dataclass
@@ -178,55 +168,3 @@ def open_requests(store: RunStore, final: set[str] | None = None) -> list[StageR
             out.append(request)
     order = {s: i for i, s in enumerate(TRAINER_STAGES)}
     return sorted(out, key=lambda r: (r.iteration, order.get(r.stage, 99), r.attempt))
-
-
-# -- the pool's markers ---------------------------------------------------------------------------
-def pool_done(store: RunStore) -> bool:
-    return store.exists(POOL_DONE)
-
-
-def mark_pool_done(store: RunStore, reason: str) -> None:
-    store.put_json(POOL_DONE, {"reason": reason, "at": time.time()})
-
-
-def reset_pool(store: RunStore) -> None:
-    """A flow starting (or resuming) the run: workers are wanted again."""
-    store.delete(POOL_DONE)
-    store.delete(POOL_BROKEN)
-
-
-def mark_pool_broken(store: RunStore, slot: str, reason: str) -> None:
-    store.put_json(POOL_BROKEN, {"slot": slot, "reason": reason, "at": time.time()})
-
-
-def pool_broken(store: RunStore) -> dict[str, Any] | None:
-    try:
-        return store.get_json(POOL_BROKEN)
-    except StoreError:
-        return None
-
-
-def write_slot(store: RunStore, slot: str, record: dict[str, Any]) -> None:
-    """What the pool knows of a worker slot's current instance (kind, instance, price, where from)."""
-    store.put_json(f"{POOL_SLOTS}/{slot}.json", record)
-
-
-def read_slot(store: RunStore, slot: str) -> dict[str, Any] | None:
-    try:
-        return store.get_json(f"{POOL_SLOTS}/{slot}.json")
-    except StoreError:
-        return None
-
-
-def is_committed(run: Any, stage: str, t: int) -> bool:
-    """Whether a trainer stage's step is in the store already (then there is nothing to post)."""
-    if stage == "pretrain":
-        from spotlight.stages import DIGIT_REWARDS
-
-        classifiers = not (set(DIGIT_REWARDS) & set(run.cfg.rewards.names())) or run.cache.is_committed(run.classifiers_key)
-        return classifiers and (not run.pretrains_base or run.cache.is_committed(f"{run.base_key}/final"))
-    if stage == "evaluate":
-        from spotlight.stages import evaluation_key
-
-        return run.store.is_committed(evaluation_key(run, t))
-    return run.store.is_committed(run.key(stage, t))

@@ -346,6 +346,17 @@ STAGES: dict[str, Callable[[Run, int], Commit]] = {
 }
 
 
+def is_committed(run: Run, stage: str, t: int) -> bool:
+    """Whether a stage's step of iteration t is in the store already (then there is nothing to post)."""
+    if stage == "pretrain":
+        digits = set(DIGIT_REWARDS) & set(run.cfg.rewards.names())
+        classifiers = not digits or run.cache.is_committed(run.classifiers_key)
+        return classifiers and (not run.pretrains_base or run.cache.is_committed(f"{run.base_key}/final"))
+    if stage == "evaluate":
+        return run.store.is_committed(evaluation_key(run, t))
+    return run.store.is_committed(run.key(stage, t))
+
+
 # -- per-iteration record -----------------------------------------------------------------------
 def record_timing(run: Run, t: int, timing: dict[str, float]) -> None:
     """Wall-clock of iteration t as the orchestrator saw it (critical path, waits). Not a commit:

@@ -43,7 +43,7 @@ def open_run(config: dict[str, Any]) -> Run:
 def run_on_trainer(config: dict[str, Any], stage: str, iteration: int) -> dict[str, Any] | None:
     """Post the stage for the trainers (idempotent) and wait for it; None if it was committed already."""
     run = open_run(config)
-    if stage_queue.is_committed(run, stage, iteration):
+    if stages.is_committed(run, stage, iteration):
         return None
     request = stage_queue.post(run.store, stage, iteration, run.cfg.placement.lease_seconds)
     get_run_logger().debug("posted %s (attempt %d) for the trainers", request.name, request.attempt)

@@ -26,10 +26,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from spotlight import stage_queue
 from spotlight.config import Config
+from spotlight.pool import (mark_pool_broken, mark_pool_done, pool_broken, pool_done, ready_record_key, reset_pool,
+                            write_slot)
+from spotlight.queue_worker import term_with_parent
 from spotlight.store import RunStore
-from spotlight.worker import term_with_parent
 from tasks.launcher import SUCCEEDED, TERMINAL, SkyLauncher, launcher_from_env, run_prefix
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def worker_pool(cfg: Config, launcher: Any = None) -> Iterator["LocalPool | SkyP
     """Start the run's workers, keep them while the flow runs, then tell them the run is over."""
     launcher = launcher if launcher is not None else launcher_from_env()
     pool: LocalPool | SkyPool = SkyPool(cfg, launcher) if isinstance(launcher, SkyLauncher) else LocalPool(cfg)
-    stage_queue.reset_pool(pool.store)
+    reset_pool(pool.store)
     stop = threading.Event()
     keeper = threading.Thread(target=_keep, args=(pool, stop), name="worker-pool", daemon=True)
     try:
@@ -57,7 +58,7 @@ def worker_pool(cfg: Config, launcher: Any = None) -> Iterator["LocalPool | SkyP
         stop.set()
         if keeper.is_alive():
             keeper.join()
-        stage_queue.mark_pool_done(pool.store, "the flow is over")
+        mark_pool_done(pool.store, "the flow is over")
         pool.close()
 
 
@@ -73,8 +74,6 @@ def _keep(pool: "LocalPool | SkyPool", stop: threading.Event) -> None:
 def wait_until_ready(run_url: str, workers: dict[str, subprocess.Popen], timeout: float = 120.0) -> None:
     """Wait (bounded) until every local worker has opened the run, so the first stage finds them working
     instead of booting. A worker that dies or is late only costs speed: the pool starts it again."""
-    from spotlight.worker import ready_record_key
-
     store, deadline = RunStore(run_url), time.monotonic() + timeout
     for worker_id, proc in workers.items():
         key = ready_record_key(worker_id)
@@ -141,12 +140,12 @@ class LocalPool:
         with self._lock:
             for slot, proc in list(self.procs.items()):
                 code = proc.poll()
-                if code is None or stage_queue.pool_done(self.store) or stage_queue.pool_broken(self.store):
+                if code is None or pool_done(self.store) or pool_broken(self.store):
                     continue
                 if code != 0:
                     self.failures[slot] += 1
                 if self.failures[slot] > self.cfg.placement.max_relaunches:
-                    stage_queue.mark_pool_broken(self.store, slot, (
+                    mark_pool_broken(self.store, slot, (
                         f"local worker {slot} ({self.kinds[slot]}) exited with code {code}, "
                         f"{self.failures[slot]} times (placement.max_relaunches is {self.cfg.placement.max_relaunches}); "
                         f"the end of its log:\n{self.log_tail(slot)}"))
@@ -191,12 +190,12 @@ class SkyPool:
             if record is not None and record["status"] not in TERMINAL:
                 self._record_instance(name, kind, record)
                 continue
-            if stage_queue.pool_done(self.store) or stage_queue.pool_broken(self.store):
+            if pool_done(self.store) or pool_broken(self.store):
                 continue
             if record is not None and record["status"] != SUCCEEDED:
                 self.failures[name] += 1
                 if self.failures[name] > self.cfg.placement.max_relaunches:
-                    stage_queue.mark_pool_broken(self.store, name, (
+                    mark_pool_broken(self.store, name, (
                         f"the {kind} {name} ended {self.failures[name]} times "
                         f"(placement.max_relaunches is {self.cfg.placement.max_relaunches}); the last time: "
                         f"{self.launcher.failure(name, record)}"))
@@ -218,7 +217,7 @@ class SkyPool:
         except PriceError as e:
             priced = {"instance": f"{resources.get('cloud')}/{resources.get('region')} {resources.get('instance_type')}",
                       "price_per_hour": 0.0, "price_source": f"unpriced: {e}"}
-        stage_queue.write_slot(self.store, name, {
+        write_slot(self.store, name, {
             "kind": kind, "job_id": record["job_id"], "recovery_count": record.get("recovery_count"),
             "resources": resources, "seen_at": time.time(), "seen_by": socket.gethostname(), **priced})
         self._seen[name] = key

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from spotlight.store import RunStore
 from spotlight.work_queue import WorkQueue
-from spotlight.worker import install_sigterm_handler, run_worker
+from spotlight.queue_worker import install_sigterm_handler, run_worker
 
 
 def unit_result(unit: str) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from spotlight import stage_queue
+from spotlight.pool import mark_pool_done
 from spotlight.store import RunStore
 from tests.conftest import SMALL, SPOTLIGHT, cli_env, run_cli, spotlight_cmd
 
@@ -37,7 +38,7 @@ def test_two_process_trainer_update_matches_single_process(tmp_path: Path, cache
         done = stage_queue.wait(request, poll_seconds=0.05, timeout_seconds=300,
                                 on_poll=lambda: None if proc.poll() is None else pytest.fail(proc.stdout.read()[-4000:]))
     finally:
-        stage_queue.mark_pool_done(store, "test over")  # both ranks leave
+        mark_pool_done(store, "test over")  # both ranks leave
         out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
     assert done["worker"] == "ddp" and out.count("trainer worker ddp on") == 1, "rank 0 alone pulls and reports"

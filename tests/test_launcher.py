@@ -19,6 +19,7 @@ os.environ.setdefault("SKYPILOT_DISABLE_USAGE_COLLECTION", "1")
 
 from spotlight import cost, stage_queue  # noqa: E402
 from spotlight.config import load_config  # noqa: E402
+from spotlight.pool import mark_pool_done, pool_broken, write_slot  # noqa: E402
 from spotlight.store import RunStore  # noqa: E402
 from tasks.launcher import (LocalLauncher, SkyJobs, SkyLauncher, job_name, launcher_from_env,  # noqa: E402
                             parse_resources, placement_resources, sky_jobs_from_env)
@@ -127,7 +128,7 @@ def test_pool_launches_each_worker_once_finds_active_ones_and_relaunches_ended_o
     pool.keep()
     assert [n for _, n in jobs.launched][-1] == job_name(RUN, "explorer", 1) and not pool.failures
     # once the flow is over, an ended job stays ended; close cancels what still runs
-    stage_queue.mark_pool_done(pool.store, "test")
+    mark_pool_done(pool.store, "test")
     jobs.set(job_name(RUN, "explorer", 0), status="FAILED")
     pool.keep()
     assert len(jobs.launched) == 3
@@ -149,7 +150,7 @@ def test_a_worker_that_keeps_failing_breaks_the_pool_naming_it(tmp_path):
     jobs.set(name, status="FAILED_SETUP", failure_reason="pip install failed")
     pool.keep()
     assert len(jobs.launched) == 2
-    broken = stage_queue.pool_broken(pool.store)
+    broken = pool_broken(pool.store)
     assert broken["slot"] == name and "ended 2 times" in broken["reason"] and "FAILED_SETUP" in broken["reason"]
     assert "pip install failed" in broken["reason"] and "Traceback: boom" in broken["reason"]
     assert SECRET not in broken["reason"] and "***" in broken["reason"]
@@ -177,7 +178,7 @@ def test_job_resources_are_priced_from_the_catalog_for_the_ledger(tmp_path):
         cost.resources_price({**resources, "instance_type": "g9.mega"})
     # the worker side: its slot's record if it still runs there, else the accelerator where it runs now
     store = RunStore(f"file://{tmp_path}/run")
-    stage_queue.write_slot(store, "w", {"resources": resources, **priced})
+    write_slot(store, "w", {"resources": resources, **priced})
     here = {"SKYPILOT_CLUSTER_INFO": '{"cloud": "AWS", "region": "us-east-1", "zone": "use1-az4"}'}
     assert cost.worker_instance(store, "explorer", 0.0, "w", here)["price_per_hour"] == priced["price_per_hour"]
     moved = cost.worker_instance(store, "explorer", 0.0, "w", {"SKYPILOT_CLUSTER_INFO":

@@ -40,11 +40,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotlight import exploration, stage_queue, stages
+from spotlight import exploration, stages
 from spotlight.config import ConfigError, SequenceParallelSection, config_from_dict
 from spotlight.models.tiny_clip import build_tiny_clip
 from spotlight.models.tiny_pipelines import build_tiny_pipeline
 from spotlight.planner import PlannerState, plan_exploration
+from spotlight.pool import mark_pool_done
 from spotlight.prompts import iteration_prompts
 from spotlight.run import Run, open_run
 from spotlight.sequence_parallel import context
@@ -190,7 +191,7 @@ def test_a_run_explored_by_an_sp_group_equals_one_explored_by_a_plain_worker(tmp
         stages.explore(run, 0, pool=pool)
         stages.update(run, 0)
         stages.explore(run, 1, pool=pool)
-    stage_queue.mark_pool_done(sp.store, "the test is over")
+    mark_pool_done(sp.store, "the test is over")
     assert exit_codes(launcher, tmp_path, 120) == {"m0": 0, "m1": -signal.SIGKILL}
 
     key = "iterations/0000/update/policy.safetensors"  # the filter kept the same seeds: the same theta_1
@@ -242,7 +243,7 @@ def test_elastic_group_survives_kill_join_and_leave(tmp_path, parts):
     leaver = next(m for m in joined.members[1:] if m != "m4")
     os.kill(pids[leaver], signal.SIGTERM)
     wait_for("the exploration", queue.drained, deadline, launcher)
-    stage_queue.mark_pool_done(run.store, "the test is over")
+    mark_pool_done(run.store, "the test is over")
     codes = exit_codes(launcher, tmp_path, max(deadline - time.monotonic(), 1))
     assert codes == {"m0": 0, "m1": 0, "m2": -signal.SIGKILL, "m3": 0, "m4": 0}
 
@@ -275,7 +276,7 @@ def test_killed_leader_unit_resumes_from_its_last_committed_seed(tmp_path, parts
                               degree=4)
     watcher = threading.Thread(target=lambda: (wait_for("the exploration", queue.drained,
                                                         time.monotonic() + 240, launcher),
-                                               stage_queue.mark_pool_done(run.store, "the test is over")))
+                                               mark_pool_done(run.store, "the test is over")))
     watcher.start()
     assert exit_codes(launcher, tmp_path, 240) == {"m0": -signal.SIGKILL, "m1": 0, "m2": 0, "m3": 0}
     watcher.join()

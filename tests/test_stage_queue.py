@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from spotlight import cost, stage_queue
+from spotlight import cost, stage_queue, stages
 from spotlight.config import load_config
 from spotlight.run import open_run
 from tests.conftest import REPO, SMALL, SPOTLIGHT, cli_env
@@ -84,7 +84,7 @@ def test_sigterm_mid_stage_releases_it_and_keeps_what_is_finished(tmp_path):
     t0 = time.monotonic()
     out = _stop(trainer)
     assert trainer.returncode == 0 and time.monotonic() - t0 < 15, out[-3000:]
-    assert not stage_queue.is_committed(run, "pretrain", 0), "the stage was abandoned, not finished"
+    assert not stages.is_committed(run, "pretrain", 0), "the stage was abandoned, not finished"
     assert any(cache.glob("base-*/step-0000010/COMMIT.json")), "what was finished stays committed"
     leases = run.store.list(f"{request.prefix}/leases/{request.item_id}")
     assert "000000-released" in leases, leases  # handed back: claimable at once, no lease to wait out
@@ -97,6 +97,6 @@ def test_sigterm_mid_stage_releases_it_and_keeps_what_is_finished(tmp_path):
     finally:
         out = _stop(again)
     assert done["worker"] == "trainer-a" and done["epoch"] == 1, done
-    assert stage_queue.is_committed(run, "pretrain", 0)
+    assert stages.is_committed(run, "pretrain", 0)
     outcomes = [e["outcome"] for e in cost.ledger(run.store) if e["stage"] == "pretrain"]
     assert sorted(outcomes) == ["ok", "preempted"], outcomes

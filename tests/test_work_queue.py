@@ -19,7 +19,7 @@ import pytest
 from queue_handler import handler, make_items, unit_result
 from spotlight.store import RunStore
 from spotlight.work_queue import Claim, LeaseLostError, QueueError, WorkQueue
-from spotlight.worker import run_worker
+from spotlight.queue_worker import run_worker
 
 HANDLER = Path(__file__).with_name("queue_handler.py")
 REPO = HANDLER.parents[1]

@@ -7,6 +7,7 @@
 - :mod:`.member`: the persistent process per GPU of an explorer: joins generations, rolls out the seeds
   of the run's exploration units, commits each finished seed, records each unit's rewards as a plain
   explorer does, regroups on SIGTERM, a dead peer or a newcomer.
+- :mod:`.commands`: what the leader broadcasts to the group at each seed boundary.
 - :mod:`.launch`: one machine's members, forked after importing the model stack once (the explorer
   process of the local pool and of sky/explorer.yaml when ``placement.sequence_parallel.degree`` > 1).
 

@@ -44,7 +44,7 @@ def preload(cfg: Config) -> None:
 
 def fork_members(names: list[str], child: Callable[[str, int], None]) -> dict[str, int]:
     """Fork one process per name running ``child(name, index)``; their pids by name."""
-    from spotlight.worker import term_with_parent
+    from spotlight.queue_worker import term_with_parent
 
     pids = {}
     for index, name in enumerate(names):
@@ -90,10 +90,10 @@ def member_names(group: str, processes: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from spotlight.pool import ready_record_key
     from spotlight.run import run_config
     from spotlight.sequence_parallel.member import group_name, member_options, run_from_args
     from spotlight.store import RunStore
-    from spotlight.worker import ready_record_key
 
     p = member_options(argparse.ArgumentParser(prog="python -m spotlight.sequence_parallel.launch",
                                                description="Fork the members of an SP explorer group."))

@@ -47,22 +47,26 @@ import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 
-from spotlight import exploration, stage_queue
+from spotlight import exploration
 from spotlight.config import Config, ConfigError, SequenceParallelSection, parse_overrides
+from spotlight.cost import Ledger, Outcome
 from spotlight.models.policy import DiffusionPolicy, build_policy
+from spotlight.pool import default_poll_seconds, pool_done
+from spotlight.queue_worker import LeaseKeeper, install_sigterm_handler
 from spotlight.run import Run, compute_device, open_run, run_config
 from spotlight.sampler import Rollout
 from spotlight.sequence_parallel import context
+from spotlight.sequence_parallel.commands import Command, Exit, Regroup, RollOut, Wait
 from spotlight.sequence_parallel.rendezvous import Generation, Rendezvous
 from spotlight.sequence_parallel.weights import share_weights, skeleton_policy
 from spotlight.store import AlreadyExistsError, RunStore, bytes_to_tensors, json_bytes, sha256, tensors_to_bytes
 from spotlight.work_queue import Claim, WorkQueue
-from spotlight.worker import _heartbeat as keep_lease, _Ledger, install_sigterm_handler
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,15 @@ def load_policy(cfg: Config, source: Literal["pretrained", "peer"], device: torc
     """The member's policy at theta_0: from the pipeline folder, or a skeleton that a peer fills (``peer``)."""
     policy = skeleton_policy(cfg) if source == "peer" else build_policy(cfg, device)
     return policy.requires_grad_(False).eval()
+
+
+class End(StrEnum):
+    """How a generation ended (``end`` in its stats event)."""
+
+    BROKEN = "broken"    # a collective raised: a peer died or hung
+    LEAVE = "leave"      # this member got SIGTERM and leaves the group
+    REGROUP = "regroup"  # the leader ended the generation to regroup
+    EXIT = "exit"        # the run needs no more exploration
 
 
 @dataclass
@@ -161,10 +174,9 @@ class Member:
         self._queue: WorkQueue | None = None
         self._unit: _Unit | None = None
         self._images: tuple[tuple[str, str], dict[int, tuple[str, torch.Tensor]]] | None = None  # outlives claims
-        self._lease_lost = threading.Event()
-        self._lease_stop = threading.Event()
-        self._lease_keeper: threading.Thread | None = None
-        self._ledger = _Ledger(run, group, "explorer", os.environ.get("SPOTLIGHT_SLOT") or group)
+        self._lease: LeaseKeeper | None = None  # renews the claim's lease while the leader holds it
+        self._ledger = Ledger(self.store, group, "explorer", self.cfg.placement.explorer.price_per_hour,
+                              os.environ.get("SPOTLIGHT_SLOT") or group)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def work(self) -> dict[str, Any]:
@@ -180,11 +192,11 @@ class Member:
                     break
                 seeds_before = self.stats.seeds
                 end = self._generation(gen)
-                barren = barren + 1 if end == "broken" and self.stats.seeds == seeds_before else 0
+                barren = barren + 1 if end == End.BROKEN and self.stats.seeds == seeds_before else 0
                 if barren >= MAX_BARREN_GENERATIONS:
                     raise RuntimeError(f"{self.member}: {barren} generations in a row broke before finishing a "
                                        "seed; see the errors logged above")
-                if end in ("exit", "leave"):
+                if end in (End.EXIT, End.LEAVE):
                     break
         finally:
             if self.stop.is_set():
@@ -196,20 +208,20 @@ class Member:
 
     def _over(self) -> bool:
         """The run's flow is over, or no exploration has been open for ``idle_exit_seconds``."""
-        if stage_queue.pool_done(self.store):
+        if pool_done(self.store):
             return True
         if exploration.open_queues(self.run, self._drained):
             self._idle_since = time.monotonic()
             return False
         return time.monotonic() - self._idle_since >= self.idle_exit_seconds
 
-    def _generation(self, gen: Generation) -> str:
+    def _generation(self, gen: Generation) -> End:
         """Form the generation's process group, work in it, tear it down; how it ended."""
         rank = gen.rank(self.member)
         event: dict[str, Any] = {"number": gen.number, "rank": rank, "degree": gen.degree,
                                  "members": list(gen.members), "joined_at": time.time()}
         self.stats.generations.append(event)
-        end = "broken"
+        end = End.BROKEN
         try:
             self._form(gen, rank)
             event["formed_at"] = time.time()
@@ -218,7 +230,7 @@ class Member:
             log.warning("%s: generation %d broke: %s", self.member, gen.number, str(e)[:300])
         finally:
             if self._claim is not None:  # finished seeds are committed; the next leader claims the item again
-                self._end_claim("preempted" if end == "leave" or self.stop.is_set() else "regroup")
+                self._end_claim(Outcome.PREEMPTED if end == End.LEAVE or self.stop.is_set() else Outcome.REGROUP)
             context.disable(self.policy.core)
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -250,32 +262,34 @@ class Member:
             self._ledger.idle_from = time.time()
 
     # -- inside a generation ---------------------------------------------------------------------
-    def _serve(self, gen: Generation, rank: int, event: dict[str, Any]) -> str:
+    def _serve(self, gen: Generation, rank: int, event: dict[str, Any]) -> End:
         leader = rank == 0
         while True:
             flag = torch.tensor([int(self.stop.is_set())], device=self.comm_device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            box = [self._decide(gen, leaving=bool(flag.item())) if leader else None]
+            box: list[Command | None] = [self._decide(gen, leaving=bool(flag.item())) if leader else None]
             dist.broadcast_object_list(box, src=0, device=self.comm_device)
-            cmd = box[0]
-            if cmd["op"] == "seed":
-                if "working_at" not in event:  # back to work: the group rolls out again
-                    event["working_at"] = time.time()
-                    if leader:  # for whoever watches the group (bench/elastic_sp.py times regroups by it)
-                        self.store.put_json(f"{self.group_prefix}/working/{gen.number:06d}",
-                                            {"at": event["working_at"]})
-                self._hold_policy(cmd["policy"])
-                started = time.perf_counter()
-                result = exploration.exploration_rollout(self.cfg, self.policy, [cmd["prompt"]], [cmd["seed"]])
-                self.stats.seeds += 1
-                if leader:
-                    self._commit_seed(cmd["index"], result, gen, time.perf_counter() - started)
-            elif cmd["op"] == "wait":
-                time.sleep(cmd["seconds"])
-            elif cmd["op"] == "regroup" and self.stop.is_set():
-                return "leave"
-            else:
-                return cmd["op"]  # regroup | exit
+            match box[0]:
+                case RollOut() as cmd:
+                    if "working_at" not in event:  # back to work: the group rolls out again
+                        event["working_at"] = time.time()
+                        if leader:  # for whoever watches the group (bench/elastic_sp.py times regroups by it)
+                            self.store.put_json(f"{self.group_prefix}/working/{gen.number:06d}",
+                                                {"at": event["working_at"]})
+                    self._hold_policy(cmd.policy)
+                    started = time.perf_counter()
+                    result = exploration.exploration_rollout(self.cfg, self.policy, [cmd.prompt], [cmd.seed])
+                    self.stats.seeds += 1
+                    if leader:
+                        self._commit_seed(cmd.index, result, gen, time.perf_counter() - started)
+                case Wait(seconds=seconds):
+                    time.sleep(seconds)
+                case Regroup():
+                    return End.LEAVE if self.stop.is_set() else End.REGROUP
+                case Exit():
+                    return End.EXIT
+                case other:
+                    raise TypeError(f"{self.member}: not a group command: {other!r}")
 
     def _hold_policy(self, iteration: int) -> None:
         """Hold theta_iteration: the base stays, the trainable state is read from the run store."""
@@ -288,36 +302,36 @@ class Member:
             self.stats.states_loaded.append(iteration)
         self._helds = [iteration] * len(self._helds)
 
-    def _decide(self, gen: Generation, leaving: bool) -> dict[str, Any]:
+    def _decide(self, gen: Generation, leaving: bool) -> Command:
         """The leader's next command for the group."""
-        if self._claim is not None and self._lease_lost.is_set():
-            self._end_claim("lease-lost")  # the lease expired and was taken over: its new holder finishes the item
+        if self._claim is not None and self._lease.lost.is_set():
+            self._end_claim(Outcome.LEASE_LOST)  # the lease expired and was taken over: its new holder finishes it
         if leaving:
-            return {"op": "regroup", "why": "a member leaves"}  # the item is released as the generation ends
+            return Regroup("a member leaves")  # the item is released as the generation ends
         while True:
             if self._unit is not None:
                 u = self._unit
                 k = u.next_index()
                 if k is not None:
-                    return {"op": "seed", "policy": exploration.policy_iteration(self.cfg, u.t),
-                            "prompt": u.claim.item["prompt"], "seed": u.seeds[k], "unit": u.name, "index": k}
+                    return RollOut(exploration.policy_iteration(self.cfg, u.t), u.claim.item["prompt"], u.seeds[k],
+                                   u.name, k)
                 self._record_unit()
                 if self._can_grow(gen):  # a unit boundary
-                    return {"op": "regroup", "why": "waiting processes allow a larger degree"}
+                    return Regroup("waiting processes allow a larger degree")
                 continue
             if self._claim is not None:
                 pending = self._queue.pending_units(self._claim.item_id)
                 if pending:
                     self._open_unit(pending[0])
                 else:
-                    self._end_claim("ok")
+                    self._end_claim(Outcome.OK)
                 continue
             if self._can_grow(gen):
-                return {"op": "regroup", "why": "waiting processes allow a larger degree"}
+                return Regroup("waiting processes allow a larger degree")
             if not self._claim_next():
                 if self._over():
-                    return {"op": "exit"}
-                return {"op": "wait", "seconds": max(stage_queue.default_poll_seconds(self.store), 0.1)}
+                    return Exit()
+                return Wait(max(default_poll_seconds(self.store), 0.1))
 
     def _can_grow(self, gen: Generation) -> bool:
         waiting = self.rdv.waiting(gen)
@@ -334,29 +348,24 @@ class Member:
             claim = queue.claim(self.worker)
             if claim is not None:
                 self._t, self._queue, self._claim, self._claimed_at = t, queue, claim, time.time()
-                self._lease_lost.clear()
-                self._lease_stop.clear()
-                self._lease_keeper = threading.Thread(target=keep_lease, args=(queue, claim, self._lease_lost,
-                                                                              self._lease_stop), daemon=True)
-                self._lease_keeper.start()
+                self._lease = LeaseKeeper(queue, claim).start()
                 return True
         return False
 
-    def _end_claim(self, outcome: str) -> None:
-        """Complete (``ok``) or release the item; the ledger gets the attempt."""
+    def _end_claim(self, outcome: Outcome) -> None:
+        """Complete (``ok``) or release the item (a lost lease: leave it to its new holder); the ledger gets
+        the attempt."""
         claim, queue = self._claim, self._queue
-        if outcome == "ok":
+        if outcome == Outcome.OK:
             if queue.complete(claim):
                 self.stats.items_completed.append(claim.item_id)
-        elif outcome != "lease-lost":
+        elif outcome != Outcome.LEASE_LOST:
             queue.release(claim)
-        self._lease_stop.set()
-        if self._lease_keeper is not None:
-            self._lease_keeper.join()
+        self._lease.stop()
         idle = max(0.0, self._claimed_at - self._ledger.idle_from)
         self._ledger.record("explore", self._t, time.time() - self._claimed_at, outcome, idle,
                             units=len(claim.recorded), degree=len(self._helds))
-        self._claim, self._queue, self._t, self._unit, self._lease_keeper = None, None, None, None, None
+        self._claim, self._queue, self._t, self._unit, self._lease = None, None, None, None, None
 
     # -- the leader's seeds and units ----------------------------------------------------------------
     def _open_unit(self, name: str) -> None:
