@@ -28,16 +28,13 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
-from spotlight.config import Config, WorkerKindSection, config_from_dict, load_config
-from tasks.placement import SKY_DIR, WORKER_YAMLS
+from spotlight.config import Config, config_from_dict, load_config
+from tasks.sky_task import REQUIRED_SECRETS, SKY_DIR, WORKER_YAMLS, worker_task_config
 
 SUCCEEDED, CANCELLED, CANCELLING = "SUCCEEDED", "CANCELLED", "CANCELLING"
 FAILED = frozenset({"FAILED", "FAILED_SETUP", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE", "FAILED_CONTROLLER"})
 ACTIVE = frozenset({"PENDING", "SUBMITTED", "STARTING", "RUNNING", "RECOVERING", "WINDING_DOWN", CANCELLING})
 TERMINAL = FAILED | {SUCCEEDED, CANCELLED}
-REQUIRED_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:
@@ -127,30 +124,6 @@ def run_prefix(run_url: str) -> str:
     """``spotlight-<run>-<hash of the URL>-``: a readable, unique, lowercase name prefix for a run."""
     slug = re.sub(r"[^a-z0-9]+", "-", run_url.rstrip("/").rsplit("/", 1)[-1].lower()).strip("-")[:20] or "run"
     return f"spotlight-{slug}-{hashlib.sha256(run_url.rstrip('/').encode()).hexdigest()[:6]}-"
-
-
-def placement_resources(template: Mapping[str, Any], kind: WorkerKindSection) -> dict[str, Any]:
-    """A task YAML's ``resources`` with what placement says for the kind: accelerators (several become
-    ``any_of``), spot or on-demand, cpus, memory, disk; the rest (``job_recovery``) is the YAML's."""
-    out = {k: v for k, v in template.items()
-           if k not in ("any_of", "ordered", "accelerators", "use_spot", "cpus", "memory", "disk_size")}
-    out.update(use_spot=kind.use_spot, disk_size=kind.disk_size)
-    if kind.cpus:
-        out["cpus"] = kind.cpus
-    if kind.memory:
-        out["memory"] = kind.memory
-    if len(kind.accelerators) == 1:
-        out["accelerators"] = kind.accelerators[0]
-    else:
-        out["any_of"] = [{"accelerators": a} for a in kind.accelerators]
-    return out
-
-
-def worker_task_config(kind: str, cfg: Config, sky_dir: Path = SKY_DIR) -> dict[str, Any]:
-    """The worker YAML of a kind as a dict, its resources replaced by the run's placement."""
-    raw = yaml.safe_load((Path(sky_dir) / WORKER_YAMLS[kind]).read_text())
-    raw["resources"] = placement_resources(raw.get("resources") or {}, getattr(cfg.placement, kind))
-    return raw
 
 
 def check_sequence_parallel_gpus(cfg: Config) -> None:

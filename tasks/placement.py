@@ -26,25 +26,17 @@ from typing import Any
 
 import yaml
 
+from tasks.sky_task import REQUIRED_ENVS, REQUIRED_SECRETS, SKY_DIR, WORKER_YAMLS, worker_task_config
+
 REPO = Path(__file__).resolve().parent.parent
-SKY_DIR = REPO / "sky"
 CATALOG_DIR = SKY_DIR / "catalog"  # holds v8/<cloud>/vms.csv, v8/common/accelerators.csv
 CATALOG_CLOUDS = ("AWS", "GCP", "Azure", "Lambda")
 CATALOG_VERSION = "v8"
 
-# The YAML of each worker kind, and the busy hours per iteration `plan` assumes without a ledger:
-# a GPU-sized run (SD3.5-M class policy, 8 prompts x 8 rollouts) spends about half an hour per
-# update on the trainer and a quarter hour of explorer time per exploration.
-WORKER_YAMLS = {"explorer": "explorer.yaml", "trainer": "trainer.yaml"}
+# The busy hours per iteration `plan` assumes without a ledger: a GPU-sized run (SD3.5-M class
+# policy, 8 prompts x 8 rollouts) spends about half an hour per update on the trainer and a quarter
+# hour of explorer time per exploration.
 DEFAULT_KIND_HOURS = {"explorer": 0.25, "trainer": 0.5}
-
-# Envs each task must declare (the launcher fills them); every task needs the run store.
-REQUIRED_ENVS = {
-    "spotlight-explorer": ("RUN_URL", "SPOTLIGHT_SLOT", "IDLE_EXIT"),
-    "spotlight-trainer": ("RUN_URL", "SPOTLIGHT_SLOT", "IDLE_EXIT"),
-    "spotlight-controller": ("RUN_URL", "CONFIG"),
-}
-REQUIRED_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 class TaskYamlError(ValueError):
@@ -234,8 +226,6 @@ def plan(run_url: str | None = None, catalog_dir: Path = CATALOG_DIR, sky_dir: P
         check_task_yaml(p, catalog_dir)
     with tempfile.TemporaryDirectory(prefix="spotlight-plan-") as tmp:
         if config is not None:  # the placement's resources, in a copy of each YAML
-            from tasks.launcher import worker_task_config
-
             for kind in paths:
                 paths[kind] = Path(tmp) / WORKER_YAMLS[kind]
                 paths[kind].write_text(yaml.safe_dump(worker_task_config(kind, config, sky_dir), sort_keys=False))

@@ -22,7 +22,8 @@ from spotlight.config import load_config  # noqa: E402
 from spotlight.pool import mark_pool_done, pool_broken, write_slot  # noqa: E402
 from spotlight.store import RunStore  # noqa: E402
 from tasks.launcher import (LocalLauncher, SkyJobs, SkyLauncher, job_name, launcher_from_env,  # noqa: E402
-                            parse_resources, placement_resources, sky_jobs_from_env)
+                            parse_resources, sky_jobs_from_env)
+from tasks.sky_task import placement_resources  # noqa: E402
 from tasks.workers import SkyPool  # noqa: E402
 
 SECRET = "fakeSECRETkey/for+launcher+tests0123456789"

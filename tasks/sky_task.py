@@ -1,0 +1,53 @@
+"""The worker pool's SkyPilot tasks: the YAML of each worker kind under ``sky/``, with what the run's
+placement decides for it, and what every task must declare.
+
+Below both the launcher (``tasks/launcher.py``, which launches the tasks) and the planner
+(``tasks/placement.py``, which checks and prices them), as ``sky/task.py`` sits below
+``sky/optimizer.py`` and ``sky/jobs/``; neither of those imports the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import yaml
+
+if TYPE_CHECKING:  # types only: planning (python -m tasks.placement) loads no config
+    from spotlight.config import Config, WorkerKindSection
+
+SKY_DIR = Path(__file__).resolve().parent.parent / "sky"
+WORKER_YAMLS = {"explorer": "explorer.yaml", "trainer": "trainer.yaml"}  # the task YAML of each worker kind
+
+# Envs each task must declare (the launcher fills them); every task needs the run store.
+REQUIRED_ENVS = {
+    "spotlight-explorer": ("RUN_URL", "SPOTLIGHT_SLOT", "IDLE_EXIT"),
+    "spotlight-trainer": ("RUN_URL", "SPOTLIGHT_SLOT", "IDLE_EXIT"),
+    "spotlight-controller": ("RUN_URL", "CONFIG"),
+}
+# Secrets each task declares with no value (the launcher passes them; never inline in a YAML).
+REQUIRED_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def placement_resources(template: Mapping[str, Any], kind: WorkerKindSection) -> dict[str, Any]:
+    """A task YAML's ``resources`` with what placement says for the kind: accelerators (several become
+    ``any_of``), spot or on-demand, cpus, memory, disk; the rest (``job_recovery``) is the YAML's."""
+    out = {k: v for k, v in template.items()
+           if k not in ("any_of", "ordered", "accelerators", "use_spot", "cpus", "memory", "disk_size")}
+    out.update(use_spot=kind.use_spot, disk_size=kind.disk_size)
+    if kind.cpus:
+        out["cpus"] = kind.cpus
+    if kind.memory:
+        out["memory"] = kind.memory
+    if len(kind.accelerators) == 1:
+        out["accelerators"] = kind.accelerators[0]
+    else:
+        out["any_of"] = [{"accelerators": a} for a in kind.accelerators]
+    return out
+
+
+def worker_task_config(kind: str, cfg: Config, sky_dir: Path = SKY_DIR) -> dict[str, Any]:
+    """The worker YAML of a kind as a dict, with what the run's placement decides for it (its resources)."""
+    raw = yaml.safe_load((Path(sky_dir) / WORKER_YAMLS[kind]).read_text())
+    raw["resources"] = placement_resources(raw.get("resources") or {}, getattr(cfg.placement, kind))
+    return raw
