@@ -23,7 +23,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from spotlight.config import load_config
-from tasks import stages as t
+from tasks import stages as stage_tasks
 from tasks.artifacts import publish_iteration, publish_run
 from tasks.launcher import SkyLauncher, launcher_from_env, on_flow_cancellation
 from tasks.workers import worker_pool
@@ -40,20 +40,20 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
     config, mode, n = cfg.model_dump(mode="json"), cfg.exploration.mode, cfg.grpo.iterations
     log = get_run_logger()
     log.info("run %s (exploration mode %s, %d iterations)", cfg.run_url, mode, n)
-    evaluations = set(t.open_run(config).eval_iterations())  # commits the config: workers can open the run
+    evaluations = set(stage_tasks.open_run(config).eval_iterations())  # commits the config: workers can open the run
     with worker_pool(cfg, launcher):  # trainers and explorers for the whole run, booted first
-        t.pretrain(config)
-        t.evaluate(config, 0)
+        stage_tasks.pretrain(config)
+        stage_tasks.evaluate(config, 0)
         for it in range(n):
             started = time.perf_counter()
             explore_wait = 0.0
             if mode != "spotlight" or it == 0:  # on the critical path (spotlight's first has nothing to
                 # overlap with): the trainer would sit idle waiting, so it explores alongside the workers
-                explore_wait = t.explore(config, it, trainer_joins=True)
-            t.filter_seeds(config, it)
-            ahead = t.explore.submit(config, it + 1) if mode == "spotlight" and it + 1 < n else None
+                explore_wait = stage_tasks.explore(config, it, trainer_joins=True)
+            stage_tasks.filter_seeds(config, it)
+            ahead = stage_tasks.explore.submit(config, it + 1) if mode == "spotlight" and it + 1 < n else None
             update_started = time.perf_counter()
-            t.update(config, it)
+            stage_tasks.update(config, it)
             update_seconds = time.perf_counter() - update_started
             if ahead is not None:
                 wait_started = time.perf_counter()
@@ -63,14 +63,14 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
                       "explore_wait_seconds": explore_wait}
             if mode == "spotlight" and cfg.exploration.ranking_every and (it + 1) % cfg.exploration.ranking_every == 0 \
                     and it + 1 < n:
-                t.ranking(config, it + 1)
-            metrics = t.record_iteration(config, it, timing)
+                stage_tasks.ranking(config, it + 1)
+            metrics = stage_tasks.record_iteration(config, it, timing)
             line = f"iteration {it}: train reward {metrics['train_reward_mean']:.3f}"
-            evaluated = t.evaluate(config, it + 1) if it + 1 in evaluations else None
+            evaluated = stage_tasks.evaluate(config, it + 1) if it + 1 in evaluations else None
             if evaluated:
                 line += f", held-out reward of theta_{it + 1} {evaluated['eval_reward']:.3f}"
             log.info(line)
             publish_iteration(config, it, metrics, evaluated)
-    summary = t.report(config)
+    summary = stage_tasks.report(config)
     publish_run(config, summary)
     return summary

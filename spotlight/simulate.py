@@ -376,7 +376,7 @@ def stage_times(records: list[RunRecord], update_seconds: float | None = None, e
 
 
 # -- the replay -----------------------------------------------------------------------------------
-class Worker:
+class ReplayWorker:
     """One worker's held and warm (booted) windows in simulated seconds, pulled lazily from its trace."""
 
     def __init__(self, held: Iterator[tuple[float, float]], cold_start: float, recovery: float):
@@ -386,7 +386,7 @@ class Worker:
         self._warm_ends: list[float] = []
 
     @classmethod
-    def on_demand(cls, cold_start: float) -> "Worker":
+    def on_demand(cls, cold_start: float) -> "ReplayWorker":
         return cls(iter([(0.0, math.inf)]), cold_start, 0.0)
 
     def _cover(self, t: float) -> None:
@@ -413,7 +413,7 @@ class Worker:
         return sum(1 for _, b in self.held if b < until)
 
 
-def run_units(workers: list[Worker], start: float, seconds: list[float],
+def run_units(workers: list[ReplayWorker], start: float, seconds: list[float],
               joins_at: dict[int, float] | None = None) -> list[float]:
     """Work through a queue of units from ``start``; returns when each unit was done, in order.
 
@@ -452,7 +452,7 @@ def stalled_from(start: float, done: list[float], updated: float, stall: float) 
     return None
 
 
-def sync_run(trainer: Worker, iterations: int, update_seconds: float) -> float:
+def sync_run(trainer: ReplayWorker, iterations: int, update_seconds: float) -> float:
     """Seconds until the last update commits: one update after another on the trainer."""
     clock = 0.0
     for _ in range(iterations):
@@ -460,8 +460,8 @@ def sync_run(trainer: Worker, iterations: int, update_seconds: float) -> float:
     return clock
 
 
-def explore_ahead(trainer: Worker, explorers: list[Worker], start: float, updated: float, units: list[float],
-                  stall: float) -> float:
+def explore_ahead(trainer: ReplayWorker, explorers: list[ReplayWorker], start: float, updated: float,
+                  units: list[float], stall: float) -> float:
     """When explore(t+1), started with update(t) at ``start``, is done. The trainer joins it once its
     update is over and the explorers have made no progress for ``stall`` seconds (the flow's stall
     fallback). Before that moment the trainer takes no unit, so the explorers-only replay holds until then."""
@@ -472,7 +472,7 @@ def explore_ahead(trainer: Worker, explorers: list[Worker], start: float, update
     return run_units([*explorers, trainer], start, units, {len(explorers): joins})[-1]
 
 
-def spotlight_run(trainer: Worker, explorers: list[Worker], iterations: int, update_seconds: float,
+def spotlight_run(trainer: ReplayWorker, explorers: list[ReplayWorker], iterations: int, update_seconds: float,
                   units: list[float], stall: float) -> float:
     """Seconds until the last update commits, exploration of t+1 overlapping update t."""
     clock = run_units([trainer, *explorers], 0.0, units)[-1]  # explore(0): nothing to overlap with, the trainer joins
@@ -506,7 +506,7 @@ class Scenario:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ReplayOutcome:
     """One simulated run to the target."""
 
     seconds: float
@@ -521,7 +521,7 @@ class ScheduleForecast:
     name: str
     mode: str
     iterations: int | None  # None: the mode's curve never reaches the target
-    outcomes: dict[str, tuple[Outcome, ...]]  # zone -> one per start offset
+    outcomes: dict[str, tuple[ReplayOutcome, ...]]  # zone -> one per start offset
 
 
 @dataclass(frozen=True)
@@ -555,12 +555,12 @@ def _check_fits(trace: Trace, scenario: Scenario, times: StageTimes) -> None:
 
 
 def simulate_schedule(name: str, trace: Trace, offset: int, iterations: int, scenario: Scenario,
-                      times: StageTimes, trainer_price: Price, explorer_price: Price) -> Outcome:
+                      times: StageTimes, trainer_price: Price, explorer_price: Price) -> ReplayOutcome:
     """One run of one schedule in one zone, replaying its trace from ``offset``."""
     _, mode, spot_trainer, with_explorers = next(s for s in SCHEDULES if s[0] == name)
     cold, recovery = scenario.cold_start_seconds, scenario.recovery_seconds
-    trainer = Worker(trace.held_from(offset), cold, recovery) if spot_trainer else Worker.on_demand(cold)
-    explorers = [Worker(trace.held_from(offset), cold, recovery) for _ in range(scenario.explorers)] \
+    trainer = ReplayWorker(trace.held_from(offset), cold, recovery) if spot_trainer else ReplayWorker.on_demand(cold)
+    explorers = [ReplayWorker(trace.held_from(offset), cold, recovery) for _ in range(scenario.explorers)] \
         if with_explorers else []
     update = times.trainer_seconds[mode]
     if with_explorers:
@@ -571,7 +571,7 @@ def simulate_schedule(name: str, trace: Trace, offset: int, iterations: int, sce
     trainer_rate = trainer_price.spot if spot_trainer else trainer_price.on_demand
     dollars = trainer.held_seconds(end) / 3600 * trainer_rate + \
         sum(w.held_seconds(end) for w in explorers) / 3600 * explorer_price.spot
-    return Outcome(end, dollars, sum(w.preemptions(end) for w in [trainer, *explorers]))
+    return ReplayOutcome(end, dollars, sum(w.preemptions(end) for w in [trainer, *explorers]))
 
 
 def forecast(scenario: Scenario, curves: dict[str, Curve], times: StageTimes, traces: list[Trace],
@@ -591,7 +591,7 @@ def forecast(scenario: Scenario, curves: dict[str, Curve], times: StageTimes, tr
     schedules = []
     for name, mode, spot_trainer, _ in SCHEDULES:
         iterations = curves[mode].iterations_to(scenario.target)
-        outcomes: dict[str, tuple[Outcome, ...]] = {}
+        outcomes: dict[str, tuple[ReplayOutcome, ...]] = {}
         if iterations is not None:
             for trace in traces:
                 offsets = start_offsets(trace, scenario.offsets) if name != BASELINE else [0]

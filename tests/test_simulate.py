@@ -63,17 +63,17 @@ def test_replay_by_hand_sync(tmp_path):
     """Cold start 20 s, updates of 30 s: 20-50 first update (ends as capacity goes), capacity back at 70,
     recovery to 90, second update 90-120. Held 0-50 and 70-120."""
     trace = synthetic_trace(tmp_path, PREEMPTED_AT_50)
-    spot = sim.Worker(trace.held_from(0), 20, 20)
+    spot = sim.ReplayWorker(trace.held_from(0), 20, 20)
     assert sim.sync_run(spot, 2, 30) == 120
     assert spot.held_seconds(120) == 100 and spot.preemptions(120) == 1
-    on_demand = sim.Worker.on_demand(20)
+    on_demand = sim.ReplayWorker.on_demand(20)
     assert sim.sync_run(on_demand, 2, 30) == 80 and on_demand.held_seconds(80) == 80
 
 
 def test_replay_by_hand_preemption_loses_the_unit_in_flight(tmp_path):
     """A trainer whose update is cut at 50 s redoes it whole after the recovery."""
     trace = synthetic_trace(tmp_path, PREEMPTED_AT_50)
-    spot = sim.Worker(trace.held_from(0), 20, 20)
+    spot = sim.ReplayWorker(trace.held_from(0), 20, 20)
     # 20-45 done, 45-70 cut at 50 (5 s lost), capacity at 70, booted at 90, 90-115
     assert sim.sync_run(spot, 2, 25) == 115
     assert spot.held_seconds(115) == 50 + 45
@@ -85,11 +85,11 @@ def test_replay_by_hand_spotlight(tmp_path):
     20 s recovery): A 90-110, B 110-130. update(1) 130-160. Dollars: trainer 160 s on demand, explorer
     held 0-50 and 70-160 on spot."""
     trace = synthetic_trace(tmp_path, PREEMPTED_AT_50)
-    trainer, explorer = sim.Worker.on_demand(20), sim.Worker(trace.held_from(0), 20, 20)
+    trainer, explorer = sim.ReplayWorker.on_demand(20), sim.ReplayWorker(trace.held_from(0), 20, 20)
     assert sim.spotlight_run(trainer, [explorer], 2, 30, [20, 20], stall=120) == 160
     assert (explorer.held_seconds(160), explorer.preemptions(160)) == (140, 1)
     # spot trainer: update(0) cut at 50, redone 90-120; iteration 1 still waits for the exploration (130)
-    trainer, explorer = sim.Worker(trace.held_from(0), 20, 20), sim.Worker(trace.held_from(0), 20, 20)
+    trainer, explorer = sim.ReplayWorker(trace.held_from(0), 20, 20), sim.ReplayWorker(trace.held_from(0), 20, 20)
     assert sim.spotlight_run(trainer, [explorer], 2, 30, [20, 20], stall=120) == 160
     assert trainer.held_seconds(160) == explorer.held_seconds(160) == 140
 
@@ -98,7 +98,7 @@ def test_replay_by_hand_trainer_joins_a_stalled_exploration(tmp_path):
     """As above, but the trainer joins once its update is over and nothing progressed for 0 s: at 70 it
     takes B (70-90) while the explorer is down; the explorer redoes A 90-110. update(1) 110-140."""
     trace = synthetic_trace(tmp_path, PREEMPTED_AT_50)
-    trainer, explorer = sim.Worker.on_demand(20), sim.Worker(trace.held_from(0), 20, 20)
+    trainer, explorer = sim.ReplayWorker.on_demand(20), sim.ReplayWorker(trace.held_from(0), 20, 20)
     assert sim.spotlight_run(trainer, [explorer], 2, 30, [20, 20], stall=0) == 140
     assert sim.stalled_from(40, [110, 130], 70, 0) == 70 and sim.stalled_from(40, [110, 130], 70, 120) is None
     assert sim.stalled_from(40, [110, 130], 70, 30) == 70 and sim.stalled_from(40, [110, 130], 70, 60) == 100
@@ -118,11 +118,12 @@ def test_forecast_dollars_and_ratios_by_hand(tmp_path):
     price = sim.catalog_price("A100:8", "aws", "us-east-1")
     on_demand, spot = fc.schedule("on-demand sync"), fc.schedule("all-spot sync")
     assert on_demand.iterations == spot.iterations == 2
-    assert on_demand.outcomes["us-east-1z"][0] == sim.Outcome(80, 80 / 3600 * price.on_demand, 0)
-    assert spot.outcomes["us-east-1z"][0] == sim.Outcome(120, 100 / 3600 * price.spot, 1)
+    assert on_demand.outcomes["us-east-1z"][0] == sim.ReplayOutcome(80, 80 / 3600 * price.on_demand, 0)
+    assert spot.outcomes["us-east-1z"][0] == sim.ReplayOutcome(120, 100 / 3600 * price.spot, 1)
     light = fc.schedule("spotlight, on-demand trainer")
     assert light.iterations == 1  # one update after explore(0): 20-40 explore(0), 40-70 update(0)
-    assert light.outcomes["us-east-1z"][0] == sim.Outcome(70, 70 / 3600 * price.on_demand + 50 / 3600 * price.spot, 1)
+    assert light.outcomes["us-east-1z"][0] == sim.ReplayOutcome(
+        70, 70 / 3600 * price.on_demand + 50 / 3600 * price.spot, 1)
 
 
 def test_forecast_on_shipped_traces_is_deterministic_and_spot_is_cheaper():
