@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
@@ -86,18 +87,21 @@ def test_each_bad_store_is_one_line_and_exit_2(authed: Users, tmp_path: Path):
         "access denied": (url, authed.endpoint, authed.users["reader"], "access denied"),
         "unreachable endpoint": (url, closed, authed.users["writer"], f"cannot connect to the endpoint {closed}"),
     }
-    procs = {}
-    for name, (run_url, endpoint, credentials, _) in cases.items():  # all at once: each spends ~10 s importing
+    secrets = [FAKE_SECRET, *(secret for _, secret in authed.users.values())]
+
+    def spotlight_run(name: str) -> tuple[Path, int, str]:
+        run_url, endpoint, credentials, _ = cases[name]
         home = tmp_path / name.replace(" ", "-")
         home.mkdir()
-        procs[name] = (home, subprocess.Popen(spotlight_cmd("run", overrides=[f"run.url={run_url}"]), cwd=home,
-                                              env=_env(home, endpoint, credentials), text=True,
-                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    secrets = [FAKE_SECRET, *(secret for _, secret in authed.users.values())]
-    for name, (home, proc) in procs.items():
-        out = proc.communicate(timeout=300)[0]
+        proc = subprocess.run(spotlight_cmd("run", overrides=[f"run.url={run_url}"]), cwd=home, timeout=300, text=True,
+                              env=_env(home, endpoint, credentials), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        return home, proc.returncode, proc.stdout
+
+    with ThreadPoolExecutor(2) as pool:  # two at a time: each spends ~10 s of CPU importing before it checks
+        results = dict(zip(cases, pool.map(spotlight_run, cases)))
+    for name, (home, returncode, out) in results.items():
         lines = [line for line in out.splitlines() if line.strip()]
-        assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{out}"
+        assert returncode == 2, f"{name}: exit {returncode}\n{out}"
         assert len(lines) == 1 and "Traceback" not in out, f"{name}: not one line:\n{out}"
         assert lines[0].startswith(f"error: run store {cases[name][0]} is not usable: "), f"{name}: {lines[0]}"
         assert cases[name][3] in lines[0], f"{name}: {lines[0]}"
