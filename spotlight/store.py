@@ -418,14 +418,28 @@ class RunStore:
             pass
 
     def list(self, prefix: str) -> list[str]:
-        """Keys directly under ``prefix`` (names only), sorted; always a fresh listing, never s3fs's cache."""
+        """Keys directly under ``prefix`` (names only), sorted; always a fresh listing, never s3fs's cache.
+        On S3 one ListObjectsV2 per 1,000 names (s3fs's ``ls`` sends a second LIST when a prefix is empty)."""
         path = self.path(prefix)
         try:
-            entries = self.fs.ls(path, detail=False, refresh=True) if self.is_local else \
-                self._retry(f"list {self.url}/{prefix}", lambda: self.fs.ls(path, detail=False, refresh=True))
+            if self.is_local:
+                entries = self.fs.ls(path, detail=False, refresh=True)
+                return sorted(os.path.basename(e.rstrip("/")) for e in entries)
+            return self._retry(f"list {self.url}/{prefix}", lambda: self._list_s3(path))
         except FileNotFoundError:
             return []
-        return sorted(os.path.basename(e.rstrip("/")) for e in entries)
+
+    def _list_s3(self, path: str) -> list[str]:
+        bucket, key, _ = self.fs.split_path(path)
+        start = f"{key.rstrip('/')}/" if key.strip("/") else ""
+        names, page = [], {"NextContinuationToken": None}
+        while "NextContinuationToken" in page:
+            token = page["NextContinuationToken"]
+            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=start, Delimiter="/",
+                                   **({"ContinuationToken": token} if token else {}))
+            names += [o["Key"][len(start):] for o in page.get("Contents", [])]
+            names += [p["Prefix"][len(start):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        return sorted(n for n in names if n)
 
     # -- commits ---------------------------------------------------------------------------
     def is_committed(self, name: str) -> bool:

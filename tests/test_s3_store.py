@@ -328,4 +328,4 @@ def test_full_run_on_s3_survives_kill_and_outage_and_leaks_no_secret(moto, tmp_p
     for key in keys:
         body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
         assert PLANTED_SECRET.encode() not in body, f"secret leaked into s3://{BUCKET}/{key}"
-    assert json.loads(s3.get_object(Bucket=BUCKET, Key="runs/s3x/config/config.json")["Body"].read())["run"]["name"] == "s3x"
+    assert RunStore(f"s3://{BUCKET}/runs/s3x").load("config").json("config.json")["run"]["name"] == "s3x"
