@@ -12,12 +12,15 @@ from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
 from spotlight.config import load_config
 from spotlight.report import Summary
 from spotlight.run import check_inputs, compute_device
+from spotlight.store import preflight
 
 
 @app.command()
 def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
     """Run (or resume) post-training as a Prefect flow: pretrain, then explore -> filter -> update."""
     cfg = load_config(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
+    for url in dict.fromkeys((cfg.run_url, cfg.cache_url)):
+        preflight(url)  # so does a store that cannot be reached or written (one line, exit 2)
     if os.environ.get("SPOTLIGHT_LAUNCHER", "local") == "local":
         compute_device(cfg.run.device)  # so does a device this machine does not have (its workers use it)
     check_inputs(cfg)  # and missing prompt files or reward weights

@@ -6,10 +6,13 @@ optimizer state, exploration reads theta_{t-1} while update(t) writes theta_{t+1
 reads the newest — and every ``keep_every``-th for the record. Pruning runs only after a newer
 commit is complete, writes a tombstone naming what it removes before removing it (so a reader gets
 "pruned", never a bare missing file), and is idempotent: a prune killed midway is finished by the next.
+It also sweeps the two newest iterations' attempt objects that no manifest references (a writer that lost
+a commit race and died before deleting its attempt, or one killed mid-commit and since superseded).
 """
 
 from __future__ import annotations
 
+import posixpath
 from typing import Callable
 
 from spotlight.config import CheckpointSection
@@ -28,21 +31,24 @@ def kept_objects(cfg: CheckpointSection, s: int, newest: int) -> set[str]:
 
 
 def prune(store: RunStore, cfg: CheckpointSection, newest: int, key: Callable[[str, int], str]) -> list[str]:
-    """Remove what retention no longer keeps behind update(newest); returns the removed object keys."""
+    """Remove what retention no longer keeps behind update(newest), and the attempt objects no manifest
+    references in iterations newest - 1 and newest (``RunStore.sweep``); returns the removed object keys."""
+    removed = [k for s in sorted({max(0, newest - 1), newest})  # losers and dead writers of these iterations
+               for k in store.sweep(posixpath.dirname(key("update", s)))]
     if cfg.keep_last is None:
-        return []
-    removed = []
+        return removed
     for s in range(max(0, newest - cfg.keep_last - LOOKBACK), newest):
         name = key("update", s)
         if not store.is_committed(name):
             continue
+        commit = store.load(name)
         drop = sorted({POLICY, OPTIMIZER} - kept_objects(cfg, s, newest))
-        present = [obj for obj in drop if store.exists(f"{name}/{obj}")]
+        present = [obj for obj in drop if obj in commit.manifest["objects"] and store.exists(commit.key(obj))]
         if not present:
             continue
         store.tombstone(name, present, f"pruned by checkpoint retention (keep_last={cfg.keep_last}, "
                                        f"keep_every={cfg.keep_every}) after iteration {newest}")
         for obj in present:
-            store.delete(f"{name}/{obj}")
-            removed.append(f"{name}/{obj}")
+            store.delete(commit.key(obj))
+            removed.append(commit.key(obj))
     return removed

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from spotlight.fencing import FencingToken
 from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
 
 NAME = re.compile(r"[A-Za-z0-9_=+-]{1,200}")  # no dots: temp files of in-flight local writes contain one
@@ -141,7 +142,7 @@ class WorkQueue:
 
     def renew(self, claim: Claim) -> None:
         """Extend the lease by lease_seconds (heartbeat); raises LeaseLostError if it was taken over."""
-        self._check_held(claim)
+        self.check_held(claim)
         renewal, expires = claim.renewals + 1, self.clock() + self.lease_seconds
         self.store.create_bytes(self._lease_key(claim.item_id, claim.epoch, renewal),
                                 json_bytes({"worker": claim.worker, "epoch": claim.epoch, "renewal": renewal,
@@ -178,12 +179,21 @@ class WorkQueue:
                 released.append(item["id"])
         return released
 
-    def _check_held(self, claim: Claim) -> None:
+    def check_held(self, claim: Claim) -> None:
+        """Raise LeaseLostError if the claim's lease was taken over (a newer epoch) or released: one LIST.
+
+        Expiry alone does not lose a lease: an expired lease nobody claimed again is still this holder's."""
         names = self._lease_names(claim.item_id)
         newer = [e for e, _ in names if e > claim.epoch]
         if newer or (claim.epoch, "released") in names:
             raise LeaseLostError(f"{claim.worker} lost its lease on {self.prefix}/{claim.item_id} (epoch {claim.epoch}): "
                                  + (f"epoch {max(newer)} took over" if newer else "it was released"))
+
+    def fence(self, claim: Claim) -> FencingToken:
+        """The claim's fencing token: ``RunStore.commit(..., fence=token)`` (or a ``store.fenced(token)``
+        view) refuses to commit once ``check_held`` fails, so a worker that lost its lease commits nothing."""
+        return FencingToken(claim.worker, f"{self.store.url}/{self.prefix}/{claim.item_id}", claim.epoch,
+                            lambda: self.check_held(claim))
 
     def _lease_key(self, item_id: str, epoch: int, renewal: int) -> str:
         return f"{self.prefix}/leases/{item_id}/{epoch:06d}-{renewal:06d}"

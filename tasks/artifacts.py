@@ -124,7 +124,8 @@ def run_markdown(config: dict[str, Any], summary: dict[str, Any], store: RunStor
     lines += ["## Files", "", f"- reward curve: `{summary['reward_curve']}`"]
     if evals:
         lines.append(f"- before/after sample grid: `{summary['samples']}`")
-    lines += [f"- sample grid of iteration {t}: `{store.url}/evaluations/{t:04d}/samples.safetensors`" for t, _ in evals]
+    lines += [f"- sample grid of iteration {t}: `samples.safetensors` of commit `{store.url}/evaluations/{t:04d}`"
+              for t, _ in evals]
     return "\n".join(lines) + "\n"
 
 

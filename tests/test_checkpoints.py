@@ -39,8 +39,10 @@ def test_a_pruned_run_resumes_explores_and_evaluates(tmp_path, cache_url):
         stages.update(run, t)
         stages.evaluate(run, t + 1)  # reads theta_{t+1}: the newest, always kept
     store = run.store
-    has = {t: {obj for obj in (POLICY, OPTIMIZER) if store.exists(f"iterations/{t:04d}/update/{obj}")} for t in range(5)}
+    commits = {t: store.load(f"iterations/{t:04d}/update") for t in range(5)}
+    has = {t: {obj for obj in (POLICY, OPTIMIZER) if store.exists(c.key(obj))} for t, c in commits.items()}
     assert has == {0: set(), 1: {POLICY}, 2: set(), 3: {POLICY}, 4: {POLICY, OPTIMIZER}}
+    assert store.sweep() == [], "every attempt object left is one a manifest names"
     assert store.pruned("iterations/0000/update")["objects"] == [OPTIMIZER, POLICY]
     # a fresh process resumes from the newest commit and explores with the stale one it needs
     resumed = open_run(load_config(REPO / "configs/tiny.yaml", [*sets, "grpo.iterations=5"]))

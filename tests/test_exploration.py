@@ -4,7 +4,6 @@ run whose exploration worker (a local explorer process) is killed with -9 mid-ru
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from spotlight.config import load_config
 from spotlight.exploration import candidate_seeds, make_items, spearman
 from spotlight.filter import keep_most_informative, max_variance_subset, select
 from spotlight.planner import PlannerState, plan
+from spotlight.store import RunStore
 from tests.conftest import REPO, SMALL, cli_env, spotlight_cmd
 
 
@@ -137,19 +137,20 @@ def test_spotlight_run_with_killed_worker_equals_clean_run(tmp_path: Path, cache
     killer.join()
     assert proc.returncode == 0, out[-3000:]
     assert killed, "the worker must have been killed mid-exploration"
+    clean_store, faulty_store = RunStore(f"file://{clean}"), RunStore(f"file://{faulty}")
     for t in range(4):
-        a = json.loads((clean / f"iterations/{t:04d}/explore/explored.json").read_text())
-        b = json.loads((faulty / f"iterations/{t:04d}/explore/explored.json").read_text())
+        a = clean_store.load(f"iterations/{t:04d}/explore").json("explored.json")
+        b = faulty_store.load(f"iterations/{t:04d}/explore").json("explored.json")
         assert a == b, f"explored table of iteration {t} differs after the fault"
         assert a["rewards"] is not None and len(a["prompts"]) == 4 + 4, "P prompts plus extra_prompts explored"
         if t == 0:
-            plan = json.loads((clean / "iterations/0000/explore/plan.json").read_text())
+            plan = clean_store.load("iterations/0000/explore").json("plan.json")
             assert sum(len(s) for s in a["seeds"]) == sum(plan["counts"]) >= 12 * 8, \
                 "first iteration: at least candidates_per_prompt each on average"
-    final = "iterations/0003/update/policy.safetensors"
-    assert (clean / final).read_bytes() == (faulty / final).read_bytes()
-    ranking = json.loads((faulty / "iterations/0002/ranking/metrics.json").read_text())
+    final = "iterations/0003/update"
+    assert clean_store.load(final).read("policy.safetensors") == faulty_store.load(final).read("policy.safetensors")
+    ranking = faulty_store.load("iterations/0002/ranking").json("metrics.json")
     assert ranking["stale_policy"] == 1 and ranking["fresh_policy"] == 2 and -1 <= ranking["spearman"] <= 1
     assert ranking["coarsen"] == 2 and ranking["spearman_to_training"] != ranking["spearman"]
-    stats = json.loads((faulty / "iterations/0002/explore/stats.json").read_text())
+    stats = faulty_store.load("iterations/0002/explore").json("stats.json")
     assert stats["policy_iteration"] == 1, "spotlight explores iteration t with theta_{t-1}"

@@ -23,10 +23,11 @@ def test_run_writes_report_and_resumes_without_recomputing(tmp_path: Path, small
         assert (run / "report" / name).stat().st_size > 1000 or name == "summary.json"
     assert "held-out reward, theta_3" in result.stdout and "samples_before_after.png" in result.stdout
     store = RunStore(f"file://{run}")
-    policy_mtime = (run / FINAL / "policy.safetensors").stat().st_mtime_ns
+    policy = run / store.load(FINAL).key("policy.safetensors")
+    policy_mtime = policy.stat().st_mtime_ns
     again = run_cli(spotlight_cmd("run", overrides=small_overrides), tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert (run / FINAL / "policy.safetensors").stat().st_mtime_ns == policy_mtime, "committed work is not redone"
+    assert policy.stat().st_mtime_ns == policy_mtime, "committed work is not redone"
     assert store.load(FINAL).json("metrics.json")["first_log_ratio"] < 1e-4
 
 
@@ -76,14 +77,14 @@ def _commits(root: Path) -> int:
 
 
 def _base_bytes(cache: Path) -> bytes:
-    [final] = list(cache.glob("base-*/final/ema.safetensors"))
-    return final.read_bytes()
+    [final] = list(cache.glob("base-*/final"))
+    return RunStore(f"file://{final.parent}").load(final.name).read("ema.safetensors")
 
 
 def test_corrupt_checkpoint_fails_naming_the_object_and_loses_nothing(tmp_path: Path, small_overrides):
     result = run_cli(spotlight_cmd("run", overrides=[*small_overrides, "grpo.iterations=2"]), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    obj = tmp_path / "run/iterations/0001/update/policy.safetensors"
+    obj = tmp_path / "run" / RunStore(f"file://{tmp_path}/run").load("iterations/0001/update").key("policy.safetensors")
     data = bytearray(obj.read_bytes())
     data[len(data) // 2] ^= 0x01
     obj.write_bytes(bytes(data))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,7 +26,9 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from spotlight import cost
-from spotlight.store import MANIFEST, AlreadyExistsError, RunStore, is_transient
+from spotlight.store import MANIFEST, AlreadyExistsError, RequestCounts, RunStore, is_transient, request_counts
+from spotlight.work_queue import LeaseLostError, WorkQueue
+from tests.interleave import assert_one_winner, interleavings, race, writers_objects
 
 REPO = Path(__file__).resolve().parents[1]
 SPOTLIGHT = str(Path(sys.executable).with_name("spotlight"))
@@ -144,6 +147,95 @@ def test_cost_ledger_on_s3(moto):
         cost.record(store, "update", 1, -1, 1.0, "x")
 
 
+def test_two_writers_of_one_commit_in_every_interleaving_on_s3(moto):
+    """Each writer's check, object write and manifest in all 20 orders (two objects each, 70 orders, in
+    test_store.py's local twin): the commit always loads and equals exactly one writer's bytes (the first
+    manifest's), never a CorruptObjectError, for a fresh reader and both writers; the loser cleans up."""
+    url = f"s3://{BUCKET}/unit/race"
+    objects = writers_objects(1)
+    winners = {"A": 0, "B": 0}
+    for i, order in enumerate(interleavings(1)):
+        name = f"iterations/{i:04d}/update"
+        winners[assert_one_winner(url, name, objects, order, race(url, name, objects, order))] += 1
+    assert winners == {"A": 10, "B": 10}
+
+
+def test_a_fenced_out_writer_commits_nothing_on_s3(moto):
+    url, now = f"s3://{BUCKET}/unit/fence", [1000.0]
+    queue = WorkQueue(RunStore(url), "queues/update", lease_seconds=60, clock=lambda: now[0])
+    queue.publish([{"id": "update-0000", "units": ["update-0000"]}])
+    zombie = queue.claim("trainer-a")
+    now[0] += 61
+    successor = queue.claim("trainer-b")
+    with pytest.raises(LeaseLostError, match="epoch 1 took over"):
+        RunStore(url).fenced(queue.fence(zombie)).commit("iterations/0000/update", {"p": b"zombie"})
+    store = RunStore(url)
+    assert not store.is_committed("iterations/0000/update") and store.list("iterations/0000/update") == []
+    store.fenced(queue.fence(successor)).commit("iterations/0000/update", {"p": b"holder"})
+    assert store.load("iterations/0000/update").read("p") == b"holder"
+
+
+class _ServerLog(logging.Handler):
+    """The requests moto's server answered, from its werkzeug access log (logged before each response)."""
+
+    LINE = re.compile(r'"(GET|PUT|HEAD|DELETE|POST) (\S+) HTTP/')
+    COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # werkzeug colours the lines of 4xx answers
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.requests: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = self.LINE.search(self.COLOUR.sub("", record.getMessage()))
+        if m:
+            self.requests.append((m.group(1), m.group(2)))
+
+    def by_class(self) -> RequestCounts:
+        """Billing classes from the HTTP requests themselves: a GET with list-type is a LIST."""
+        kinds = ["free" if method == "DELETE" else
+                 "put" if method in ("PUT", "POST") or (method == "GET" and "list-type=" in path) else "get"
+                 for method, path in self.requests]
+        return RequestCounts(put=kinds.count("put"), get=kinds.count("get"), free=kinds.count("free"))
+
+
+def test_request_counts_are_what_botocore_sent(moto):
+    """Every HTTP request s3fs sends is counted once, by AWS billing class, per process (children share
+    the counter); attempts that never reached the server are counted and marked unanswered."""
+    werkzeug = logging.getLogger("werkzeug")
+    server, level = _ServerLog(), werkzeug.level
+    werkzeug.setLevel(logging.INFO)
+    werkzeug.addHandler(server)
+    try:
+        store = RunStore(f"s3://{BUCKET}/unit/requests")
+        child = store.child("queue")
+        before = store.requests()
+        store.write_bytes("a", b"1")  # PUT
+        child.create_bytes("lease", b"2")  # PUT, If-None-Match: *
+        with pytest.raises(AlreadyExistsError):
+            child.create_bytes("lease", b"3")  # PUT, answered 412
+        assert store.exists("a") and not store.exists("missing")  # HEAD, HEAD (never a LIST)
+        assert store.read_bytes("a") == b"1"  # HEAD (s3fs sizes a read first), GET
+        assert child.get_json("lease") == 2  # GET (a small record: no HEAD)
+        assert store.list("") == ["a", "queue"]  # LIST
+        commit = store.commit("c", {"x": b"abc"})  # HEAD (committed already?), PUT, PUT (manifest)
+        assert store.load("c").read("x") == b"abc"  # GET, GET
+        store.delete(commit.key("x"))  # DELETE
+        sent = store.requests() - before
+    finally:
+        werkzeug.removeHandler(server)
+        werkzeug.setLevel(level)
+    assert sent == RequestCounts(put=6, get=8, free=1, unanswered=0)
+    assert sent == server.by_class(), f"the server saw {server.requests}"
+    assert child.requests() == store.requests() == request_counts()
+    assert sent.cost_usd() == pytest.approx(6 * 0.005 / 1000 + 8 * 0.0004 / 1000)
+
+    closed = f"http://127.0.0.1:{_free_port()}"  # every attempt refused: with_retries 2 x botocore's 2
+    before = request_counts()
+    with pytest.raises(Exception, match="Could not connect"):
+        RunStore(f"s3://{BUCKET}/unit/requests", {"endpoint_url": closed}, retry_delays=(0.05,)).write_bytes("b", b"1")
+    assert request_counts() - before == RequestCounts(put=4, unanswered=4)
+
+
 # -- full runs in real subprocesses ------------------------------------------------------------
 def _cmd(name: str) -> list[str]:
     return [SPOTLIGHT, "run", "--run", f"s3://{BUCKET}/runs/{name}", "--set", f"run.name={name}",
@@ -236,4 +328,4 @@ def test_full_run_on_s3_survives_kill_and_outage_and_leaks_no_secret(moto, tmp_p
     for key in keys:
         body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
         assert PLANTED_SECRET.encode() not in body, f"secret leaked into s3://{BUCKET}/{key}"
-    assert json.loads(s3.get_object(Bucket=BUCKET, Key="runs/s3x/config/config.json")["Body"].read())["run"]["name"] == "s3x"
+    assert RunStore(f"s3://{BUCKET}/runs/s3x").load("config").json("config.json")["run"]["name"] == "s3x"
