@@ -42,7 +42,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from spotlight.config import AestheticSection, ClipScoreSection, ConfigError, PickScoreSection
+from spotlight.config.base import ConfigError
+from spotlight.config.rewards import AestheticSection, ClipScoreSection, PickScoreSection
 
 if TYPE_CHECKING:
     from spotlight.rewards import Reward, RewardContext

@@ -24,28 +24,21 @@ an :class:`Outcome`.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import os
 import socket
-import statistics
 import time
 from enum import StrEnum
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from spotlight.catalog import CATALOG_DIR, PriceError, accelerator_price, instance_price
 from spotlight.pool import read_slot
 from spotlight.store import AlreadyExistsError, RunStore, json_bytes
 
 PREFIX = "cost"
 log = logging.getLogger(__name__)
-CATALOG_DIR = Path(__file__).resolve().parent.parent / "sky" / "catalog" / "v8"
-
-
-class PriceError(ValueError):
-    """An instance or accelerator the catalog cannot price; the message names it."""
 
 
 class Outcome(StrEnum):
@@ -197,48 +190,6 @@ def cost_until(entries: list[dict[str, Any]], when: float) -> float:
 
 
 # -- what an instance costs -------------------------------------------------------------------------
-@lru_cache(maxsize=8)
-def _catalog_rows(cloud: str, catalog_dir: str) -> tuple[dict[str, str], ...]:
-    path = Path(catalog_dir) / cloud.lower() / "vms.csv"
-    if not path.is_file():
-        clouds = sorted(p.name for p in Path(catalog_dir).iterdir() if (p / "vms.csv").is_file())
-        raise PriceError(f"cloud {cloud!r} has no price catalog {path}; clouds: {', '.join(clouds)}")
-    with open(path, newline="") as f:
-        return tuple(csv.DictReader(f))
-
-
-def instance_price(cloud: str, instance_type: str, region: str, zone: str | None, use_spot: bool,
-                   catalog_dir: Path = CATALOG_DIR) -> float:
-    """$/h of one instance from the catalog: on-demand from its region's row; spot from its zone's row
-    (SkyPilot names AWS zones by zone ID, e.g. use1-az4, as its job records do), else the region's median."""
-    rows = [r for r in _catalog_rows(cloud, str(catalog_dir)) if r["InstanceType"] == instance_type
-            and r["Region"] == region]
-    if not rows:
-        raise PriceError(f"the {cloud} catalog has no instance {instance_type!r} in region {region!r}")
-    if not use_spot:
-        return float(rows[0]["Price"])
-    spot = [r for r in rows if r["SpotPrice"]]
-    here = [r for r in spot if zone and r["AvailabilityZone"] == zone]
-    if here:
-        return float(here[0]["SpotPrice"])
-    if not spot:
-        raise PriceError(f"the {cloud} catalog has no spot price for {instance_type} in {region}")
-    return statistics.median(float(r["SpotPrice"]) for r in spot)
-
-
-def accelerator_price(accelerator: str, cloud: str, region: str, use_spot: bool,
-                      catalog_dir: Path = CATALOG_DIR) -> tuple[str, float]:
-    """(instance type, $/h) of the cheapest node with this accelerator in a region: when only the
-    accelerator a worker got is known. Reuses ``spotlight.simulate.catalog_price``."""
-    from spotlight.simulate import SimulationError, catalog_price
-
-    try:
-        price = catalog_price(accelerator, cloud, region, catalog_dir)
-    except SimulationError as e:
-        raise PriceError(str(e)) from None
-    return price.instance_type, price.spot if use_spot else price.on_demand
-
-
 def resources_price(resources: dict[str, Any], catalog_dir: Path = CATALOG_DIR) -> dict[str, Any]:
     """The instance and $/h of a SkyPilot job record's resources (cloud, region, zone, instance_type,
     accelerators, use_spot), from the catalog: the instance type's row, else the accelerator's."""

@@ -53,7 +53,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from spotlight.config import ConfigError, RemoteRewardSection
+from spotlight.config.base import ConfigError
+from spotlight.config.rewards import RemoteRewardSection
 
 _log = logging.getLogger(__name__)
 _MESSAGE_CHARS = 500  # of a server's error message kept in ours

@@ -1,7 +1,7 @@
 """Rewards, chosen by name in the config: ``reward(images, prompts) -> [B] float32``.
 
-One registry entry per reward (:data:`REWARDS`: name -> factory, and the config section holding its
-weights); the config combines them as weighted sums (``rewards.train: {pickscore: 1.0, ...}``).
+One registry entry per reward (:data:`spotlight.config.rewards.REWARDS`: name -> factory, and the config
+section holding its weights); the config combines them as weighted sums (``rewards.train: {pickscore: 1.0, ...}``).
 Images are ``[B, C, H, W]`` in [-1, 1], as policies decode them.
 
 - ``digit_classifier``: probability of the prompted digit under the reward CNN (the digits' training reward).
@@ -21,6 +21,7 @@ ONNX Runtime...) is a config choice measured per device.
 
 from __future__ import annotations
 
+import importlib
 import io
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -29,8 +30,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from spotlight import clip_rewards
-from spotlight.config import Config, ConfigError
+from spotlight.config import Config
+from spotlight.config.base import ConfigError
+from spotlight.config.rewards import REWARDS
 from spotlight.data import prompt_class
 from spotlight.models.classifier import DigitClassifier
 from spotlight.store import RunStore
@@ -121,21 +123,18 @@ def _digit_classifier(which: str) -> Callable[[RewardContext, str], Reward]:
     return build
 
 
-@dataclass(frozen=True)
-class RewardEntry:
-    factory: Callable[[RewardContext, str], Reward]
-    options: str | None = None  # the ``rewards.<section>`` with its weights' paths (required when used)
-    check: Callable[[Any], None] | None = None  # preflight of that section: raises ConfigError naming a missing path
+reward_classifier = _digit_classifier("reward_classifier")
+eval_classifier = _digit_classifier("eval_classifier")
 
 
-REWARDS: dict[str, RewardEntry] = {
-    "digit_classifier": RewardEntry(_digit_classifier("reward_classifier")),
-    "heldout_classifier": RewardEntry(_digit_classifier("eval_classifier")),
-    "jpeg_compressibility": RewardEntry(lambda ctx, name: JpegCompressibility()),
-    "pickscore": RewardEntry(clip_rewards.build_pickscore, "pickscore", clip_rewards.check_pickscore),
-    "clip_score": RewardEntry(clip_rewards.build_clip_score, "clip_score", clip_rewards.check_clip_score),
-    "aesthetic": RewardEntry(clip_rewards.build_aesthetic, "aesthetic", clip_rewards.check_aesthetic),
-}
+def jpeg_compressibility(ctx: RewardContext, name: str) -> Reward:
+    return JpegCompressibility()
+
+
+def resolve(path: str) -> Callable[..., Any]:
+    """A registry entry's ``"module:function"``, imported now (the config names rewards without importing them)."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def check_rewards(cfg: Config) -> None:
@@ -149,7 +148,7 @@ def check_rewards(cfg: Config) -> None:
             if name in cfg.rewards.remote:
                 check_remote(name, cfg.rewards.remote[name])
             elif entry is not None and entry.check is not None:
-                entry.check(getattr(cfg.rewards, entry.options))
+                resolve(entry.check)(getattr(cfg.rewards, entry.options))
         except ConfigError as e:
             problems.append(f"  reward {name!r}: {e}")
     if problems:
@@ -162,4 +161,4 @@ def build_reward(ctx: RewardContext, name: str) -> Reward:
         from spotlight.remote_reward import RemoteReward
 
         return RemoteReward(name, ctx.cfg.rewards.remote[name])
-    return REWARDS[name].factory(ctx, name)
+    return resolve(REWARDS[name].factory)(ctx, name)

@@ -37,19 +37,17 @@ The replay, per spot worker:
 
 Deterministic: start offsets are evenly spaced over each trace, and nothing is drawn at random, so the
 same inputs give the same numbers. Prices come from the shipped SkyPilot catalog (``sky/catalog/v8``),
-read with the csv module (see ``catalog_price`` for which row). Stage times come from a run store's
+read through :mod:`spotlight.catalog` (see ``node_price`` for which row). Stage times come from a run store's
 records or from the command line. The reward curves are read from run stores.
 """
 
 from __future__ import annotations
 
 import bisect
-import csv
 import heapq
 import json
 import math
 import re
-import statistics
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import count
@@ -59,12 +57,12 @@ from typing import Iterator
 import numpy as np
 from rich.table import Table
 
+from spotlight.catalog import CATALOG_DIR, CatalogError, Price, node_price
 from spotlight.config import ConfigError
 from spotlight.store import RunStore, StoreError
 
 REPO = Path(__file__).resolve().parent.parent
 TRACES_DIR = REPO / "sky" / "traces" / "aws-v100-1node-2023-04-22"
-CATALOG_DIR = REPO / "sky" / "catalog" / "v8"
 MODES = ("none", "spotlight")  # the reward curves the schedules need: plain Flow-GRPO, and Spotlight
 SCHEDULES = (  # (name, reward-curve mode, trainer on spot, explorers)
     ("on-demand sync", "none", False, False),
@@ -175,75 +173,12 @@ def load_traces(directory: Path = TRACES_DIR, zones: list[str] | None = None) ->
 
 
 # -- prices ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Price:
-    """$/h of one node of ``accelerator`` in a region: on-demand, and spot (median over the zones)."""
-
-    accelerator: str
-    cloud: str
-    region: str
-    instance_type: str
-    on_demand: float
-    spot: float
-    spot_low: float
-    spot_high: float
-    spot_zones: int
-
-    def describe(self) -> str:
-        return (f"{self.accelerator} {self.cloud} {self.region} {self.instance_type}: on-demand "
-                f"${self.on_demand:.4f}/h, spot ${self.spot:.4f}/h (median of {self.spot_zones} zone rows, "
-                f"${self.spot_low:.4f}-{self.spot_high:.4f})")
-
-
-def parse_accelerator(spec: str) -> tuple[str, float]:
-    """``A100:8`` -> ("A100", 8.0); a bare name means one GPU."""
-    name, _, n = spec.partition(":")
-    try:
-        gpus = float(n) if n else 1.0
-    except ValueError:
-        gpus = 0.0
-    if not name or gpus <= 0:
-        raise SimulationError(f"accelerator {spec!r}: expected NAME or NAME:COUNT, e.g. A100:8")
-    return name, gpus
-
-
 def catalog_price(accelerator: str, cloud: str, region: str, catalog_dir: Path = CATALOG_DIR) -> Price:
-    """Prices from the catalog's rows for this accelerator and count in this region.
-
-    The node is the instance type with the lowest on-demand price there. Its on-demand price is
-    that row's. Its spot price is the median ``SpotPrice`` of that type over the region's zones.
-    AWS names zones per account (us-east-1c is not the same zone as the catalog's use1-az1), so
-    a trace's zone cannot pick a catalog row. The median stands for "some zone of the region".
-    """
-    name, gpus = parse_accelerator(accelerator)
-    with open(catalog_dir / "common" / "accelerators.csv", newline="") as f:
-        known = {row["AcceleratorName"].lower(): row["AcceleratorName"] for row in csv.DictReader(f)}
-    if name.lower() not in known:
-        raise SimulationError(f"accelerator {name!r} is not in SkyPilot's catalog "
-                              f"({catalog_dir / 'common' / 'accelerators.csv'})")
-    name = known[name.lower()]
-    path = catalog_dir / cloud.lower() / "vms.csv"
-    if cloud.lower() == "gcp":
-        raise SimulationError("cloud 'gcp': its catalog prices GPUs apart from host VMs, which this forecast "
-                              "does not combine; use aws or azure")
-    if not path.is_file():
-        clouds = sorted(p.name for p in catalog_dir.iterdir() if (p / "vms.csv").is_file())
-        raise SimulationError(f"cloud {cloud!r} has no catalog {path}; clouds: {', '.join(clouds)}")
-    with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["AcceleratorName"] == name and r["AcceleratorCount"]
-                and float(r["AcceleratorCount"]) == gpus and r["Price"]]
-    here = [r for r in rows if r["Region"] == region]
-    if not here:
-        regions = sorted({r["Region"] for r in rows})
-        raise SimulationError(f"{path}: no on-demand row for {name}:{gpus:g} in region {region!r}"
-                              + (f"; regions with one: {', '.join(regions)}" if regions else ""))
-    node = min(here, key=lambda r: (float(r["Price"]), r["InstanceType"]))
-    spot = [float(r["SpotPrice"]) for r in here if r["InstanceType"] == node["InstanceType"] and r["SpotPrice"]]
-    if not spot:
-        raise SimulationError(f"{path}: {node['InstanceType']} ({name}:{gpus:g}) has no spot price in {region}")
-    return Price(accelerator=f"{name}:{gpus:g}", cloud=cloud.lower(), region=region,
-                 instance_type=node["InstanceType"], on_demand=float(node["Price"]), spot=statistics.median(spot),
-                 spot_low=min(spot), spot_high=max(spot), spot_zones=len(spot))
+    """A node's on-demand and spot price (:func:`spotlight.catalog.node_price`), as a forecast input error."""
+    try:
+        return node_price(accelerator, cloud, region, catalog_dir)
+    except CatalogError as e:
+        raise SimulationError(str(e)) from None
 
 
 # -- what real runs recorded ------------------------------------------------------------------

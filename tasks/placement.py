@@ -13,7 +13,6 @@ credentials exist there for ``sky check`` to verify.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from spotlight import catalog
 from tasks.sky_task import REQUIRED_ENVS, REQUIRED_SECRETS, SKY_DIR, WORKER_YAMLS, worker_task_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,13 +41,6 @@ DEFAULT_KIND_HOURS = {"explorer": 0.25, "trainer": 0.5}
 
 class TaskYamlError(ValueError):
     """A SkyPilot task YAML that SkyPilot or this project rejects; names the file and the problem."""
-
-
-def catalog_accelerators(catalog_dir: Path = CATALOG_DIR) -> set[str]:
-    """Accelerator names SkyPilot's catalog knows (``common/accelerators.csv``)."""
-    path = Path(catalog_dir) / CATALOG_VERSION / "common" / "accelerators.csv"
-    with open(path, newline="") as f:
-        return {row["AcceleratorName"] for row in csv.DictReader(f)}
 
 
 def recovery_strategies() -> set[str]:
@@ -75,7 +68,7 @@ def check_task_yaml(path: str | os.PathLike, catalog_dir: Path = CATALOG_DIR) ->
     except Exception as e:  # SkyPilot raises ValueError / jsonschema errors; name the file either way
         raise TaskYamlError(f"{where}: SkyPilot rejects it: {e}") from e
     problems: list[str] = []
-    known = {a.lower(): a for a in catalog_accelerators(catalog_dir)}
+    known = catalog.accelerator_names(Path(catalog_dir) / CATALOG_VERSION)
     for res in task.resources:
         for name in (res.accelerators or {}):
             if name.lower() not in known:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spotlight.cost import accelerator_price
+from spotlight.catalog import accelerator_price
 from spotlight.simulate import SimulationError, Trace, load_trace
 from tasks.launcher import SkyJobs
 

@@ -33,11 +33,28 @@ def test_default_config_file_matches_defaults():
                                                  "is not in SkyPilot's catalog (sky/catalog/v8/common/accelerators.csv)"),
     ("placement.trainer.accelerators=[A100:0]", "accelerator 'A100:0': expected NAME or NAME:COUNT"),
     ("placement.lease_seconds=0", "placement.lease_seconds: Input should be greater than 0"),
+    ("placement.trainer.accelerators=[A10:1]", "placement.trainer: Value error, accelerator A10:1 cannot be priced: "
+                                               "the shipped catalog has no on-demand price for A10:1"),
+    ("placement.explorer.accelerators=[B200:1]", "placement.explorer: Value error, accelerator B200:1 cannot be "
+                                                 "priced: the shipped catalog has no spot price for B200:1"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs/tiny.yaml", [override])
     assert needle in str(err.value)
+
+
+def test_a_mapping_given_whole_replaces_the_files_and_a_dotted_key_sets_one_entry(tmp_path):
+    """`--set rewards.train='{jpeg_compressibility: 1.0}'` on a config whose file says `{pickscore: 1.0}`
+    trains on JPEG compressibility alone (it used to merge, keep pickscore and fail on its weights)."""
+    sd3 = REPO / "configs/sd35m-pickscore.yaml"
+    whole = load_config(sd3, ["rewards.train={jpeg_compressibility: 1.0}", "rewards.eval={jpeg_compressibility: 2}"])
+    assert whole.rewards.train == {"jpeg_compressibility": 1.0} and whole.rewards.eval == {"jpeg_compressibility": 2.0}
+    one = load_config(sd3, ["rewards.train.jpeg_compressibility=0.5"])
+    assert one.rewards.train == {"pickscore": 1.0, "jpeg_compressibility": 0.5}
+    both = load_config(sd3, ["rewards.train={jpeg_compressibility: 1.0}", "rewards.train.pickscore=0.25"])
+    assert both.rewards.train == {"jpeg_compressibility": 1.0, "pickscore": 0.25}
+    assert load_config(sd3).rewards.train == {"pickscore": 1.0}, "the file's own mapping is unchanged"
 
 
 def test_unknown_key_in_file(tmp_path):

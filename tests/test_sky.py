@@ -18,9 +18,9 @@ os.environ.setdefault("SKYPILOT_DISABLE_USAGE_COLLECTION", "1")
 import sky  # noqa: E402
 
 from flows.cli import app  # noqa: E402
-from spotlight import cost  # noqa: E402
+from spotlight import catalog, cost  # noqa: E402
 from spotlight.store import RunStore  # noqa: E402
-from tasks.placement import (CATALOG_DIR, TaskYamlError, catalog_accelerators, check_task_yaml,  # noqa: E402
+from tasks.placement import (CATALOG_DIR, TaskYamlError, check_task_yaml,  # noqa: E402
                              cheapest_offers)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +86,8 @@ def test_unknown_accelerator_is_one_skypilot_itself_accepts(tmp_path):
     path = _bad(tmp_path, "strategy: EAGER_NEXT_REGION", "strategy: NOPE", "explorer.yaml")
     path.write_text(path.read_text().replace("L4:1", "Z100:1"))
     sky.Task.from_yaml(str(path))  # no error from SkyPilot
-    assert "Z100" not in catalog_accelerators(FIXTURE) and "L4" in catalog_accelerators(FIXTURE)
+    names = catalog.accelerator_names(FIXTURE / "v8")
+    assert "z100" not in names and names["l4"] == "L4"
 
 
 def test_plan_catalog_is_the_fixture():

@@ -1,0 +1,141 @@
+"""Where a run's work runs (not what it computes): worker kinds, accelerators, leases, sequence parallelism.
+May change between resumes of a run; older spellings of these settings are migrated here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from spotlight import catalog
+from spotlight.config.base import ConfigError, Section
+
+#: model kinds whose diffusers transformer has a ``_cp_plan`` (FluxTransformer2DModel, QwenImageTransformer2DModel)
+SEQUENCE_PARALLEL_KINDS = ("flux", "qwen-image")
+
+
+class SequenceParallelSection(Section):
+    """One rollout of a high-resolution image shared by several GPUs (diffusers' context parallelism),
+    as an elastic group of persistent processes (spotlight.sequence_parallel; docs/sequence_parallel.md)."""
+
+    degree: int = Field(1, ge=1, description="processes (GPUs) of a group; the first generation forms when this "
+                        "many are ready, later ones take the largest valid degree of the processes left")
+    mode: Literal["ulysses", "ring"] = Field("ulysses", description="ulysses: all-to-all over heads (the degree "
+                                             "must divide the heads); ring: K/V passed around (needs an attention "
+                                             "backend that returns the log-sum-exp: CUDA only in diffusers 0.39)")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend: auto is nccl "
+                                                     "on CUDA, gloo on the CPU")
+    attention_backend: str | None = Field(None, description="diffusers attention backend of the transformer; "
+                                          "null: native for ulysses, _native_cudnn for ring")
+    heartbeat_seconds: float = Field(0.5, gt=0, description="how often a process refreshes its record in the run store")
+    dead_after_seconds: float = Field(5.0, gt=0, description="a record older than this: the process is gone")
+    regroup_grace_seconds: float = Field(0.25, ge=0, description="after a failure, how long the new leader waits "
+                                         "for the other survivors; a later one joins at a unit boundary")
+    collective_timeout_seconds: float = Field(30.0, gt=0, description="a collective stuck this long (a hung peer) "
+                                              "breaks the group, which then regroups")
+    join_timeout_seconds: float = Field(60.0, gt=0, description="forming: wait this long for the first degree "
+                                        "processes, and for a generation's members to connect")
+
+    @model_validator(mode="after")
+    def _heartbeats(self) -> "SequenceParallelSection":
+        if self.dead_after_seconds <= 2 * self.heartbeat_seconds:
+            raise ValueError(f"dead_after_seconds ({self.dead_after_seconds}) must exceed two heartbeats "
+                             f"({2 * self.heartbeat_seconds}): one late write must not look like a death")
+        return self
+
+
+class WorkerKindSection(Section):
+    """Where one kind of worker runs: how many, on which accelerators, spot or on-demand."""
+
+    workers: int = Field(1, ge=0, description="long-lived workers of this kind (local processes or SkyPilot jobs)")
+    accelerators: tuple[str, ...] = Field(min_length=1, description="SkyPilot any_of candidates, NAME:COUNT; the "
+                                          "optimizer picks the cheapest offer on any enabled cloud")
+    use_spot: bool = Field(True, description="spot (preemptible, recovered by SkyPilot) or on-demand")
+    cpus: str | None = Field(None, description="SkyPilot cpus requirement, e.g. '8+' (null: the instance's)")
+    memory: str | None = Field(None, description="SkyPilot memory requirement in GB, e.g. '32+'")
+    disk_size: int = Field(100, ge=1, description="GB")
+    local_cpus: list[int] | None = Field(None, description="embedded default: pin this kind's local worker "
+                                         "processes to these CPUs")
+    price_per_hour: float = Field(0.0, ge=0, description="what the cost ledger records per hour for a local "
+                                  "worker of this kind (cloud workers: SkyPilot's record of the instance)")
+
+    @field_validator("accelerators")
+    @classmethod
+    def _in_catalog(cls, specs: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(f"{name}:{count}" for name, count in map(catalog.parse_accelerator_spec, specs))
+
+    @model_validator(mode="after")
+    def _priced(self) -> "WorkerKindSection":
+        """An accelerator the catalog cannot price would be billed $0 by the ledger: refuse it now."""
+        for spec in self.accelerators:
+            why = catalog.priceable(spec, self.use_spot)
+            if why is not None:
+                raise ValueError(f"accelerator {spec} cannot be priced: {why}")
+        return self
+
+
+DEFAULT_ACCELERATORS = {"trainer": ("A100:1", "A100-80GB:1", "H100:1", "L4:1", "A10G:1"),
+                        "explorer": ("L4:1", "A10G:1", "A100:1", "H100:1")}
+
+
+class PlacementSection(Section):
+    """Where the run's work runs (not what it computes): may change between resumes of a run."""
+
+    trainer: WorkerKindSection = WorkerKindSection(workers=1, accelerators=DEFAULT_ACCELERATORS["trainer"])
+    explorer: WorkerKindSection = WorkerKindSection(workers=1, accelerators=DEFAULT_ACCELERATORS["explorer"])
+    lease_seconds: float = Field(30.0, gt=0, description="a claimed work item's lease, renewed every third")
+    stall_seconds: float = Field(120.0, gt=0, description="an exploration with no progress this long: the "
+                                 "trainers join it (and the pool relaunches lost workers)")
+    max_relaunches: int = Field(3, ge=0, description="per worker: relaunches after its job or process ended "
+                                "while the run needed it, before the run fails naming it")
+    idle_exit_seconds: float = Field(3600.0, gt=0, description="a cloud worker with no work this long exits "
+                                     "(the controller is gone); the pool relaunches it when work comes")
+    sequence_parallel: SequenceParallelSection = Field(
+        default_factory=SequenceParallelSection, description="elastic sequence-parallel groups for "
+        "high-resolution rollouts (spotlight.sequence_parallel); degree 1: none")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_defaults(cls, data: Any) -> Any:
+        """A kind given in part keeps its default accelerators."""
+        if isinstance(data, dict):
+            for kind, accelerators in DEFAULT_ACCELERATORS.items():
+                if isinstance(data.get(kind), dict) and "accelerators" not in data[kind]:
+                    data = {**data, kind: {**data[kind], "accelerators": accelerators}}
+        return data
+
+    @model_validator(mode="after")
+    def _trainers(self) -> "PlacementSection":
+        if self.trainer.workers < 1:
+            raise ValueError(f"placement.trainer.workers is {self.trainer.workers}: a run needs at least one "
+                             "trainer (it runs pretrain, update, evaluate and ranking)")
+        return self
+
+
+# Where these settings lived before placement had a section; committed configs of older runs (and
+# older command lines) still use them, and are read as the placement they meant.
+LEGACY_PLACEMENT = {("exploration", "workers"): ("explorer", "workers"),
+                    ("exploration", "worker_cpus"): ("explorer", "local_cpus"),
+                    ("exploration", "lease_seconds"): (None, "lease_seconds"),
+                    ("exploration", "stall_seconds"): (None, "stall_seconds"),
+                    ("run", "cpus"): ("trainer", "local_cpus")}
+
+
+def move_legacy_placement(data: dict[str, Any]) -> dict[str, Any]:
+    """A raw config with the old spellings of ``LEGACY_PLACEMENT`` moved to where placement keeps them."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    placement = dict(data.get("placement") or {})
+    for (section, key), (kind, new) in LEGACY_PLACEMENT.items():
+        if isinstance(data.get(section), dict) and key in data[section]:
+            value = data[section].pop(key)
+            target = placement if kind is None else placement.setdefault(kind, {})
+            if kind is not None:
+                target = placement[kind] = dict(target)
+            if new in target and target[new] != value:
+                raise ConfigError(f"{section}.{key} (the old spelling) and placement.{kind + '.' if kind else ''}{new} "
+                                  "are both set, differently; keep placement's")
+            target[new] = value
+    if placement:
+        data["placement"] = placement
+    return data
+

@@ -1,0 +1,149 @@
+"""The recipe sections: what a run computes (run identity, data, pretraining, sampler, GRPO, exploration,
+evaluation, checkpoints). A resumed run must keep them (``Config.recipe``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from spotlight.config.base import Section
+
+
+class RunSection(Section):
+    """Which run this is (its name and store), its seed, and where this process computes."""
+
+    name: str = "tiny"
+    url: str | None = Field(None, description="fsspec URL of the run store; default file://./runs/<name>")
+    cache_url: str | None = Field(None, description="where pretrained bases are cached; default <runs root>/_cache")
+    seed: int = 0
+    threads: int = Field(1, ge=1, description="torch threads; fixed so results are bit-reproducible")
+    device: str = Field("auto", description="where policy and rewards compute: auto (cuda if present), cpu, "
+                        "cuda or cuda:N; seeds draw on the CPU either way, so a seed means the same noise")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, name: str) -> str:
+        kind, _, index = name.partition(":")
+        if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+            raise ValueError(f"unknown device {name!r}; devices: auto, cpu, cuda, cuda:N")
+        return name
+
+
+
+class DataSection(Section):
+    """Where prompts come from (flow_grpo's layout: a folder with train.txt/test.txt or
+    train_metadata.jsonl/test_metadata.jsonl; or one .txt/.jsonl file; or the bundled digit classes)."""
+
+    prompts: str = Field("digits", description="digits | a .txt or .jsonl prompt file | a folder of train/test files")
+    eval_prompts: str | None = Field(None, description="held-out prompts; default: the folder's test file "
+                                     "(digits: the ten digit prompts)")
+
+
+
+class PretrainSection(Section):
+    """Rectified-flow pretraining of the base policy, and the two reward classifiers."""
+
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    ema_decay: float = Field(0.999, ge=0, lt=1)
+    null_prompt_prob: float = Field(0.1, ge=0, le=1)
+    commit_every: int = Field(500, ge=1)
+    classifier_steps: int = Field(300, ge=1)
+
+
+class SamplerSection(Section):
+    """Flow-GRPO's SDE sampler of the training rollouts (and the ODE sampler of evaluations): steps, noise
+    level, which steps the update trains, the timestep shift and guidance."""
+
+    train_steps: int = Field(10, ge=1, description="SDE steps of a training rollout")
+    eval_steps: int = Field(16, ge=1, description="ODE steps of an evaluation sample")
+    noise_level: float = Field(0.7, gt=0, description="Flow-GRPO's a: sigma_t = a*sqrt(t/(1-t))")
+    timestep_fraction: float = Field(0.99, gt=0, le=1, description="the update trains the first "
+                                     "max(1, int(train_steps * fraction)) SDE steps of each rollout (flow_grpo's "
+                                     "train.timestep_fraction: 0.99 of 10 steps trains 9, not the last)")
+    shift: float | None = Field(None, gt=0, description="static timestep shift; null: the model's own (the "
+                                "pipeline's scheduler config, 3.0 for tiny-mmdit)")
+    guidance: float = Field(1.0, ge=1.0, description="guidance scale (1 = off): classifier-free guidance, or "
+                            "the guidance embedding of guidance-distilled models (FLUX.1-dev)")
+    negative_prompt: str = Field("", description="the unconditional prompt of classifier-free guidance")
+    batch_size: int | None = Field(None, ge=1, description="rollouts (or evaluation samples) per forward pass; "
+                                   "null: all of an update's at once")
+
+
+
+class GRPOSection(Section):
+    """The policy update (Flow-GRPO): prompts and group size per iteration, group-relative advantages, the
+    PPO-clipped loss with its KL term, and the optimizer's minibatches."""
+
+    iterations: int = Field(20, ge=1)
+    prompts_per_iteration: int = Field(8, ge=1)
+    group_size: int = Field(8, description="G: rollouts per prompt in one update")
+    lr: float = Field(2e-4, gt=0)
+    clip_range: float = Field(0.01, gt=0, description="PPO clip on the ratio of per-step log-probs (each a mean over "
+                              "latent dimensions, as flow_grpo's, so ratios stay near 1: on the tiny model "
+                              "|log ratio| averages ~3e-3, and 0.01 clips 4-13% of the rows; docs/exploration.md)")
+    adv_clip: float = Field(5.0, gt=0)
+    adv_std: Literal["per_prompt", "global"] = Field(
+        "per_prompt", description="advantages divided by each prompt group's reward std, or by the whole "
+        "batch's (flow_grpo's SD3 configs: global); chosen by iterations to target, docs/exploration.md")
+    kl_beta: float = Field(0.05, ge=0)
+    minibatch_size: int = Field(64, ge=1, description="(sample, timestep) rows per optimizer step")
+    microbatch_size: int | None = Field(None, ge=1, description="rows per forward pass (gradient accumulation "
+                                        "within a minibatch); null: the whole minibatch at once")
+    epochs: int = Field(1, ge=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, g: int) -> int:
+        if g < 2:
+            raise ValueError(f"group size must be >= 2 for group-relative advantages (got {g})")
+        return g
+
+
+class ExplorationSection(Section):
+    """Seed exploration: none (random seeds), sync (fresh weights, on the critical path), spotlight (stale, overlapped)."""
+
+    mode: Literal["none", "sync", "spotlight"] = "spotlight"
+    select: Literal["both", "prompts", "seeds"] = Field(
+        "both", description="what the filter selects (ablations): both = per prompt the max-variance G seeds, "
+        "then the highest-variance groups among prompts_per_iteration + extra_prompts; prompts = the "
+        "highest-variance groups, each trained on its first G seeds; seeds = no extra prompts, per prompt "
+        "the max-variance G seeds")
+    candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the first-iteration default")
+    max_candidates_per_prompt: int = Field(64, ge=1)
+    seeds_per_batch: int = Field(16, ge=1, description="a work unit: seeds rolled out together (fixed composition)")
+    coarsen: int = Field(2, ge=1, description="an exploration rollout takes train_steps / coarsen SDE steps on the "
+                         "training rollout's noise path (must divide sampler.train_steps; 1: full fidelity)")
+    extra_prompts: int = Field(2, ge=0, description="explore this many more prompt groups than are trained; the "
+                               "filter keeps the highest-variance ones, so low-variance prompts are replaced")
+    min_std: float = Field(0.02, ge=0, description="a kept group below this std is reported as low-variance")
+    budget_scale: float = Field(0.7, gt=0, description="exploration pool throughput relative to the trainer, in forward passes (measured: bench/time_to_target.py)")
+    ranking_every: int = Field(5, ge=0, description="measure stale-vs-fresh seed ranking every N iterations (0: never)")
+    ranking_prompts: int = Field(2, ge=1)
+
+
+
+
+class EvaluationSection(Section):
+    """Held-out evaluation: how often, on how many prompts and fixed seeds, and the reward the report prices."""
+
+    every: int = Field(5, ge=1, description="evaluate every N iterations (and at 0 and the end)")
+    seeds_per_prompt: int = Field(16, ge=1, description="fixed evaluation seeds per held-out prompt")
+    prompts: int | None = Field(None, ge=1, description="evaluate on the first N held-out prompts (null: all)")
+    target: float | None = Field(None, description="held-out reward the report prices: cost and time until an "
+                                 "evaluated policy first reaches it (a reading of results, not the recipe: a "
+                                 "resumed run may change it)")
+
+
+
+class CheckpointSection(Section):
+    """Which policies the run store keeps: the newest ``keep_last`` (with their optimizer state for the
+    newest) and every ``keep_every``-th; older ones are pruned once a newer commit is complete."""
+
+    keep_last: int | None = Field(None, ge=2, description="null: keep every policy; >= 2 since exploration "
+                                  "reads theta_{t-1} while update(t) writes theta_{t+1}")
+    keep_every: int | None = Field(None, ge=1, description="also keep theta_N for N a multiple of this")
+
