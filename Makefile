@@ -22,6 +22,7 @@ run: venv
 	OMP_NUM_THREADS=1 PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/spotlight run --config $(CONFIG)
 
 test: venv
+	$(BIN)/ruff check
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
 clean-runs:

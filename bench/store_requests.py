@@ -77,7 +77,10 @@ def measure() -> dict[str, dict[str, int]]:
 
     counter = getattr(store_module, "request_counts", None)
     store = RunStore("s3://bench/run")
-    key = (lambda stage, t: f"iterations/{t:04d}/{stage}")
+
+    def key(stage: str, t: int) -> str:
+        return f"iterations/{t:04d}/{stage}"
+
     objects = {"policy.safetensors": b"p" * 4096, "optimizer.safetensors": b"o" * 8192,
                "rewards.safetensors": b"r" * 512, "metrics.json": b"{}"}
     queue = WorkQueue(store, "queues/explore-0001", lease_seconds=3600)

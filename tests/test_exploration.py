@@ -1,5 +1,6 @@
 """Seed exploration: the variance filter, the bandit planner, rank correlation, and a whole spotlight-mode
-run whose exploration worker (a local explorer process) is killed with -9 mid-run, which must end exactly like a run with no faults."""
+run whose exploration worker (a local explorer process) is killed with -9 mid-run, which must end exactly
+like a run with no faults."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from spotlight.models.export import pipeline_class
-from spotlight.models.tiny_clip import build_tiny_aesthetic_head, build_tiny_clip
+from spotlight.models.tiny_clip import build_tiny_clip
 from spotlight.models.tiny_pipelines import build_tiny_pipeline
 from spotlight.run import open_run_from_url
 from spotlight.sampler import sample_ode

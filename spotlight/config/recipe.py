@@ -112,7 +112,8 @@ class ExplorationSection(Section):
         "then the highest-variance groups among prompts_per_iteration + extra_prompts; prompts = the "
         "highest-variance groups, each trained on its first G seeds; seeds = no extra prompts, per prompt "
         "the max-variance G seeds")
-    candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the first-iteration default")
+    candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the "
+                                       "first-iteration default")
     max_candidates_per_prompt: int = Field(64, ge=1)
     seeds_per_batch: int = Field(16, ge=1, description="a work unit: seeds rolled out together (fixed composition)")
     coarsen: int = Field(2, ge=1, description="an exploration rollout takes train_steps / coarsen SDE steps on the "
@@ -120,7 +121,8 @@ class ExplorationSection(Section):
     extra_prompts: int = Field(2, ge=0, description="explore this many more prompt groups than are trained; the "
                                "filter keeps the highest-variance ones, so low-variance prompts are replaced")
     min_std: float = Field(0.02, ge=0, description="a kept group below this std is reported as low-variance")
-    budget_scale: float = Field(0.7, gt=0, description="exploration pool throughput relative to the trainer, in forward passes (measured: bench/time_to_target.py)")
+    budget_scale: float = Field(0.7, gt=0, description="exploration pool throughput relative to the trainer, in "
+                                "forward passes (measured: bench/time_to_target.py)")
     ranking_every: int = Field(5, ge=0, description="measure stale-vs-fresh seed ranking every N iterations (0: never)")
     ranking_prompts: int = Field(2, ge=1)
 
