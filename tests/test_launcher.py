@@ -231,6 +231,7 @@ def test_the_pool_owns_error_restarts_so_one_failing_worker_boots_at_most_max_re
     job boots 1 + 3 times; the pool's jobs boot once each, so with max_relaunches 3 the worker boots 4 times,
     not (1 + 3) x (1 + 3) = 16."""
     from tests.emulated_cluster import EmulatedSkyJobs, read_events
+    from tests.jobs_api import status
 
     sky_dir = tmp_path / "sky"
     sky_dir.mkdir()
@@ -253,7 +254,7 @@ def test_the_pool_owns_error_restarts_so_one_failing_worker_boots_at_most_max_re
 
     def ended(name: str) -> bool:
         record = launcher.latest(name)
-        return record is not None and record["status"] in ("FAILED", "SUCCEEDED", "CANCELLED")
+        return record is not None and status(record) in ("FAILED", "SUCCEEDED", "CANCELLED")
 
     def wait(condition, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -264,7 +265,7 @@ def test_the_pool_owns_error_restarts_so_one_failing_worker_boots_at_most_max_re
     by_hand = f"{run_prefix(RUN)}by-hand-trainer-0000"  # `sky jobs launch sky/trainer.yaml`: the YAML as written
     jobs.launch(sky.Task.from_yaml(str(sky_dir / "trainer.yaml")), by_hand)
     wait(lambda: ended(by_hand))
-    assert boots(by_hand) == 1 + 3 and launcher.latest(by_hand)["status"] == "FAILED"
+    assert boots(by_hand) == 1 + 3 and status(launcher.latest(by_hand)) == "FAILED"
 
     pool = SkyPool(cfg, launcher, close_grace_seconds=0)
     pool.store = RunStore(f"file://{tmp_path}/run")
