@@ -9,10 +9,13 @@ from typing import Optional
 import typer
 
 from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
+from spotlight.console import console
 from spotlight.config import load_config
 from spotlight.report import Summary
 from spotlight.run import check_inputs, compute_device
-from spotlight.store import preflight
+from spotlight.store import RunStore, preflight
+
+BUDGET_CAPPED_EXIT = 3  # `spotlight run` stopped at placement.max_dollars (2: bad input, 1: an error)
 
 
 @app.command()
@@ -24,10 +27,14 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
     if os.environ.get("SPOTLIGHT_LAUNCHER", "local") == "local":
         compute_device(cfg.run.device)  # so does a device this machine does not have (its workers use it)
     check_inputs(cfg)  # and missing prompt files or reward weights
-    from flows.post_train import post_train
+    from flows.post_train import BUDGET_CAPPED, post_train
 
-    summary = post_train(config_path=str(config), run_url=run_url, overrides=overrides)
-    print_summary(Summary(**summary))
+    state = post_train(config_path=str(config), run_url=run_url, overrides=overrides, return_state=True)
+    if state.name == BUDGET_CAPPED:  # a clean stop: everything done is committed, the message says how to go on
+        print_summary(Summary(**RunStore(cfg.run_url).get_json("report/summary.json")))  # the report it wrote
+        console.print(f"[bold yellow]budget cap:[/] {state.message}", soft_wrap=True, highlight=False)
+        raise SystemExit(BUDGET_CAPPED_EXIT)
+    print_summary(Summary(**state.result()))
 
 
 @app.command()

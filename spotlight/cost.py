@@ -236,3 +236,16 @@ def worker_instance(store: RunStore, kind: str, local_price: float, slot: str | 
                     "price_source": f"unpriced: {e}", "slot": slot}
     return {"instance": f"local {socket.gethostname()}", "price_per_hour": float(local_price),
             "price_source": f"placement.{kind}.price_per_hour", "slot": slot}
+
+
+def unrecorded_cost(entries: list[dict[str, Any]], since: float, now: float) -> float:
+    """Dollars the workers still held have cost since their last entry: a worker records its idle time only
+    with its next entry, so the ledger alone lags what is being paid. A worker counts if its last entry is
+    from ``since`` on (it belongs to the current flow run) and is not its exit."""
+    last: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        worker = e.get("worker")
+        if worker and (worker not in last or e["recorded_at"] > last[worker]["recorded_at"]):
+            last[worker] = e
+    return sum(max(0.0, now - e["recorded_at"]) / 3600.0 * e["price_per_hour"] for e in last.values()
+               if e["recorded_at"] >= since and e.get("outcome") != Outcome.EXIT)

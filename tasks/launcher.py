@@ -9,8 +9,12 @@ controller finds its workers instead of starting more:
 * the pool (``tasks/workers.py``) relaunches a worker whose job ended while the run still needs it,
   and gives up (naming the job, its status, failure reason and log tail) after
   ``placement.max_relaunches``; SkyPilot's own ``job_recovery`` handles preemptions in between, so a
-  preemption is a recovery of the same job, not a launch;
-* ``cancel_run`` cancels every active job of the run (also Prefect's ``on_flow_cancellation`` hook).
+  preemption is a recovery of the same job, not a launch. Errors are the pool's alone: its jobs run with
+  ``max_restarts_on_errors: 0`` (the YAML's value is for jobs launched by hand), so one failing worker
+  boots at most ``1 + placement.max_relaunches`` times instead of that times ``1 + max_restarts_on_errors``;
+* launched from the controller's own managed job, each worker joins its job group as a dynamic member
+  (``job_group``): SkyPilot cancels the workers when the controller job ends, fails or is cancelled;
+* ``cancel_run`` cancels every active job of the run (also the flow's ``tear_down_pool`` hook).
 
 Every call into SkyPilot's jobs API goes through ``SkyJobs``: the one seam tests replace. Its records
 carry the job's resources (cloud, region, zone, instance type, spot), which price the cost ledger.
@@ -20,6 +24,7 @@ cluster runs each job as a local process of its ``run:`` command).
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import importlib
 import logging
@@ -28,7 +33,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from spotlight.config import Config, config_from_dict, load_config
+from spotlight.config import Config, config_from_dict
 from tasks.sky_task import REQUIRED_SECRETS, SKY_DIR, WORKER_YAMLS, worker_task_config
 
 SUCCEEDED, CANCELLED, CANCELLING = "SUCCEEDED", "CANCELLED", "CANCELLING"
@@ -74,13 +79,50 @@ def parse_resources(record: Mapping[str, Any]) -> dict[str, Any] | None:
             "use_spot": full.startswith("[spot]")}
 
 
+def controller_job_group(environ: Mapping[str, str] | None = None, api_version: int | None = None) -> int | None:
+    """The managed job to attach a worker to (``sky.jobs.launch(job_group=...)``): the controller's own, when
+    the flow runs inside one (``SKYPILOT_MANAGED_JOB_ID``) and the API server records attachments; then
+    SkyPilot sweeps the workers when the controller job ends. None: a top-level job."""
+    env = os.environ if environ is None else environ
+    parent = env.get("SKYPILOT_MANAGED_JOB_ID", "")
+    if not parent.isdigit():
+        return None
+    from sky.server.constants import MIN_JOBS_PARENT_LINK_API_VERSION
+
+    if api_version is None:
+        from sky.server import versions
+
+        api_version = versions.get_remote_api_version()
+    if api_version is None or api_version < MIN_JOBS_PARENT_LINK_API_VERSION:
+        _logger().warning("the SkyPilot API server (API version %s) cannot attach jobs to a job group (needs %d): "
+                          "the workers are top-level jobs, cancelled by the flow's hooks only", api_version,
+                          MIN_JOBS_PARENT_LINK_API_VERSION)
+        return None
+    return int(parent)
+
+
+def check_api_server(environ: Mapping[str, str] | None = None) -> None:
+    """On the controller's VM (inside a managed job), SkyPilot calls must reach the API server the user
+    launched it through: a local one there would be a private SkyPilot with no cloud credentials."""
+    env = os.environ if environ is None else environ
+    if not env.get("SKYPILOT_MANAGED_JOB_ID"):
+        return
+    from sky.server import common
+
+    url = env.get("SKYPILOT_API_SERVER_ENDPOINT") or common.get_server_url()
+    if common.is_api_server_local(url):
+        raise RuntimeError(f"the controller runs in a SkyPilot managed job but its SkyPilot API server is {url}, "
+                           "this VM's own: set SKYPILOT_API_SERVER_ENDPOINT to your remote API server (SkyPilot sets "
+                           "it when the controller is launched through one; see docs/cloud.md)")
+
+
 class SkyJobs:
     """The seam: SkyPilot's managed-jobs API, and nothing else. Records come back as plain dicts."""
 
     def launch(self, task: Any, name: str) -> int:
         import sky
 
-        job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=name))
+        job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=name, job_group=controller_job_group()))
         if not job_ids:
             raise RuntimeError(f"sky.jobs.launch returned no job id for {name}")
         return int(job_ids[0])
@@ -150,12 +192,16 @@ class SkyLauncher:
         self.sky_dir, self.poll_seconds, self.log_tail_lines = Path(sky_dir), poll_seconds, log_tail_lines
         self.environ = os.environ if environ is None else environ
         self.launched: list[str] = []  # job names this launcher launched, in order (relaunches included)
+        self._warned_expiry = False
 
     # -- what to launch ------------------------------------------------------------------------
     def secrets(self) -> dict[str, str]:
-        """AWS credentials from the standard chain (env, ~/.aws, instance role); the endpoint if set."""
+        """AWS credentials from the standard chain (env, ~/.aws, instance role), with the session token of
+        temporary ones; the endpoint if set. Read at each launch, so a relaunched worker gets the credentials
+        the controller has then (refreshed, if its chain refreshes them: an instance role, SSO)."""
         values = {k: self.environ[k] for k in (*REQUIRED_SECRETS, "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL")
                   if self.environ.get(k)}
+        expiry = credential_expiry(self.environ)
         if not all(k in values for k in REQUIRED_SECRETS):
             import botocore.session
 
@@ -167,7 +213,27 @@ class SkyLauncher:
             values.update(AWS_ACCESS_KEY_ID=frozen.access_key, AWS_SECRET_ACCESS_KEY=frozen.secret_key)
             if frozen.token:
                 values["AWS_SESSION_TOKEN"] = frozen.token
+                expiry = getattr(creds, "_expiry_time", None) or expiry  # botocore's refreshable credentials
+        if "AWS_SESSION_TOKEN" in values:
+            self._check_expiry(expiry)
         return values
+
+    def _check_expiry(self, expiry: datetime.datetime | None) -> None:
+        """Temporary credentials (a session token) end: refuse ones about to, and say when the others do."""
+        left = None if expiry is None else (expiry - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+        if left is not None and left < MIN_CREDENTIAL_SECONDS:
+            raise RuntimeError(f"the AWS session token expires at {expiry:%Y-%m-%d %H:%M} UTC, in {max(left, 0) / 60:.0f} "
+                               "min: a worker launched with it would soon lose the run store. Refresh the credentials "
+                               "(aws sso login, aws sts assume-role) and run again, or use long-lived keys or an "
+                               "instance role (docs/cloud.md)")
+        if not self._warned_expiry:
+            self._warned_expiry = True
+            when = "at an unknown time" if left is None else \
+                f"at {expiry:%Y-%m-%d %H:%M} UTC (in {left / 3600:.1f} h)"
+            _logger().warning("the workers get temporary AWS credentials (AWS_SESSION_TOKEN) that expire %s: a worker "
+                              "running then fails on the run store (ExpiredToken) and is relaunched with the "
+                              "credentials the controller has then; for a longer run use long-lived keys or an "
+                              "instance role (docs/cloud.md)", when)
 
     def build_task(self, kind: str, index: int, config: dict[str, Any]) -> Any:
         """The kind's worker task: its YAML, resources from placement, the run's envs and the secrets,
@@ -179,6 +245,9 @@ class SkyLauncher:
             raise ValueError(f"a {kind} on SkyPilot needs a bucket run store (s3://...), but the run is "
                              f"{cfg.run_url}: a cloud VM cannot see this machine's disk")
         raw = worker_task_config(kind, cfg, self.sky_dir)
+        # errors are the pool's to count and relaunch (placement.max_relaunches); SkyPilot's restarts on
+        # errors would multiply them (EAGER_NEXT_REGION re-provisions for a restart just as for a relaunch)
+        raw["resources"]["job_recovery"] = {**(raw["resources"].get("job_recovery") or {}), "max_restarts_on_errors": 0}
         envs = {"RUN_URL": cfg.run_url, "SPOTLIGHT_SLOT": job_name(cfg.run_url, kind, index),
                 "IDLE_EXIT": f"{cfg.placement.idle_exit_seconds:g}",
                 "SP_DEGREE": str(cfg.placement.sequence_parallel.degree)}
@@ -240,12 +309,28 @@ class SkyLauncher:
         return names
 
     def _redact(self, text: str) -> str:
-        """Job logs are the user's output; still, never echo a credential we passed in."""
-        for key in (*REQUIRED_SECRETS, "AWS_SESSION_TOKEN"):
+        """Job logs are the user's output; still, never echo a credential this controller holds."""
+        for key in (*REQUIRED_SECRETS, "AWS_SESSION_TOKEN", "PREFECT_API_KEY"):
             value = self.environ.get(key)
             if value and len(value) >= 8:
                 text = text.replace(value, "***")
         return text
+
+
+MIN_CREDENTIAL_SECONDS = 600.0  # temporary credentials closer than this to their expiry launch nothing
+
+
+def credential_expiry(environ: Mapping[str, str]) -> datetime.datetime | None:
+    """When the temporary AWS credentials of the environment expire: ``AWS_CREDENTIAL_EXPIRATION`` (ISO 8601,
+    as ``aws configure export-credentials --format env`` and aws-vault set it); None if not given."""
+    value = environ.get("AWS_CREDENTIAL_EXPIRATION")
+    if not value:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"AWS_CREDENTIAL_EXPIRATION={value!r} is not an ISO 8601 time") from None
+    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
 
 
 def sky_jobs_from_env(environ: Mapping[str, str] | None = None) -> SkyJobs:
@@ -267,16 +352,9 @@ def launcher_from_env(environ: Mapping[str, str] | None = None) -> LocalLauncher
         return LocalLauncher()
     if kind == "sky":
         poll = float(env.get("SPOTLIGHT_POOL_POLL_SECONDS", "15"))
-        return SkyLauncher(jobs=sky_jobs_from_env(env), poll_seconds=poll)
+        jobs = sky_jobs_from_env(env)
+        if type(jobs) is SkyJobs:
+            check_api_server(env)
+        return SkyLauncher(jobs=jobs, poll_seconds=poll)
     raise ValueError(f"SPOTLIGHT_LAUNCHER={kind!r}: expected 'local' or 'sky'")
 
-
-def on_flow_cancellation(flow: Any, flow_run: Any, state: Any) -> None:
-    """Prefect ``on_cancellation`` hook for the post-training flow: cancel the run's managed jobs."""
-    launcher = launcher_from_env()
-    if not isinstance(launcher, SkyLauncher):
-        return
-    params = flow_run.parameters
-    cfg = load_config(params.get("config_path", "configs/tiny.yaml"), params.get("overrides"), params.get("run_url"))
-    names = launcher.cancel_run(cfg.run_url)
-    logging.getLogger(__name__).warning("flow cancelled: cancelled managed jobs %s", names)

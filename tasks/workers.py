@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from spotlight.config import Config
+from spotlight.config import Config, load_config
 from spotlight.pool import (mark_pool_broken, mark_pool_done, pool_broken, pool_done, ready_record_key, reset_pool,
                             write_slot)
 from spotlight.queue_worker import term_with_parent
@@ -44,22 +44,45 @@ def worker_slots(cfg: Config) -> list[tuple[str, int]]:
 
 @contextmanager
 def worker_pool(cfg: Config, launcher: Any = None) -> Iterator["LocalPool | SkyPool"]:
-    """Start the run's workers, keep them while the flow runs, then tell them the run is over."""
+    """Start the run's workers, keep them while the flow runs, then tell them the run is over. If the flow
+    body raises (a failed stage, the flow timeout, SIGTERM), the workers are stopped at once: cloud jobs are
+    cancelled without the grace a finished flow gives them to leave by themselves."""
     launcher = launcher if launcher is not None else launcher_from_env()
     pool: LocalPool | SkyPool = SkyPool(cfg, launcher) if isinstance(launcher, SkyLauncher) else LocalPool(cfg)
     reset_pool(pool.store)
     stop = threading.Event()
     keeper = threading.Thread(target=_keep, args=(pool, stop), name="worker-pool", daemon=True)
+    why = "the flow is over"
     try:
         pool.start()
         keeper.start()
         yield pool
+    except BaseException as e:
+        why = f"the flow stopped: {type(e).__name__}: {e}"
+        raise
     finally:
         stop.set()
         if keeper.is_alive():
             keeper.join()
-        mark_pool_done(pool.store, "the flow is over")
-        pool.close()
+        mark_pool_done(pool.store, why)
+        pool.close(grace=why == "the flow is over")
+
+
+def tear_down_pool(flow: Any, flow_run: Any, state: Any) -> None:
+    """Prefect hook (``on_failure``, ``on_crashed``, ``on_cancellation`` of the post-training flow): the run's
+    workers leave (``pool/done.json``) and its SkyPilot jobs are cancelled. The flow's own ``worker_pool``
+    does this when the flow body ends; the hook covers what it cannot: a flow process killed outright, whose
+    crash the Prefect worker reports and runs this hook for."""
+    params = flow_run.parameters
+    config_path = Path(params.get("config_path") or "configs/tiny.yaml")
+    if not config_path.is_absolute() and not config_path.exists():  # the hook may run outside the clone
+        config_path = Path(__file__).resolve().parent.parent / config_path
+    cfg = load_config(config_path, params.get("overrides"), params.get("run_url"))
+    mark_pool_done(RunStore(cfg.run_url), f"the flow run ended {state.name}")
+    launcher = launcher_from_env()
+    names = launcher.cancel_run(cfg.run_url) if isinstance(launcher, SkyLauncher) else []
+    log.warning("flow run %s ended %s: the workers of %s were told to leave; cancelled managed jobs %s",
+                flow_run.name, state.name, cfg.run_url, names)
 
 
 def _keep(pool: "LocalPool | SkyPool", stop: threading.Event) -> None:
@@ -153,7 +176,8 @@ class LocalPool:
                 log.warning("local worker %s exited (code %s); starting it again", slot, code)
                 self._spawn(slot)
 
-    def close(self) -> None:
+    def close(self, grace: bool = True) -> None:
+        """SIGTERM every worker process (each records what it finished and releases its item), then wait."""
         with self._lock:
             procs = list(self.procs.values())
             for proc in procs:
@@ -222,9 +246,10 @@ class SkyPool:
             "resources": resources, "seen_at": time.time(), "seen_by": socket.gethostname(), **priced})
         self._seen[name] = key
 
-    def close(self) -> None:
-        """The done marker is written: workers exit by themselves; cancel the ones still running after a grace."""
-        deadline = time.monotonic() + self.close_grace_seconds
+    def close(self, grace: bool = True) -> None:
+        """The done marker is written: workers exit by themselves; cancel the ones still running after a grace
+        (none when the flow stopped abnormally: a cancelled worker still records what it finished)."""
+        deadline = time.monotonic() + (self.close_grace_seconds if grace else 0.0)
         while time.monotonic() < deadline:
             records = self.launcher.jobs.queue(run_prefix(self.cfg.run_url))
             active = [n for n in self.slots if (r := self.launcher.latest(n, records)) is not None

@@ -37,9 +37,11 @@ class PrefectServer:
     def api_url(self) -> str:
         return f"{self.url}/api"
 
-    def cli(self, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-        """Run ``prefect ARGS`` against this server; a failure raises with the command's output."""
-        proc = subprocess.run([PREFECT, *args], cwd=cwd, env=self.env, capture_output=True, text=True, timeout=timeout)
+    def cli(self, *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+        """Run ``prefect ARGS`` against this server (``env``: more variables); a failure raises with its output."""
+        proc = subprocess.run([PREFECT, *args], cwd=cwd, env={**self.env, **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
         if proc.returncode != 0:
             raise AssertionError(f"prefect {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc

@@ -10,7 +10,10 @@ priced from the catalog for the ledger.
 from __future__ import annotations
 
 import csv
+import datetime
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -21,8 +24,10 @@ from spotlight import cost, stage_queue  # noqa: E402
 from spotlight.config import load_config  # noqa: E402
 from spotlight.pool import mark_pool_done, pool_broken, write_slot  # noqa: E402
 from spotlight.store import RunStore  # noqa: E402
-from tasks.launcher import (LocalLauncher, SkyJobs, SkyLauncher, job_name, launcher_from_env,  # noqa: E402
-                            parse_resources, sky_jobs_from_env)
+import sky  # noqa: E402
+
+from tasks.launcher import (LocalLauncher, SkyJobs, SkyLauncher, check_api_server, controller_job_group,  # noqa: E402
+                            job_name, launcher_from_env, parse_resources, run_prefix, sky_jobs_from_env)
 from tasks.sky_task import placement_resources  # noqa: E402
 from tasks.workers import SkyPool  # noqa: E402
 
@@ -218,3 +223,103 @@ def test_launcher_from_env():
         sky_jobs_from_env({"SPOTLIGHT_SKY_JOBS": "tests.test_launcher"})
     with pytest.raises(ValueError, match="expected 'local' or 'sky'"):
         launcher_from_env({"SPOTLIGHT_LAUNCHER": "k8s"})
+
+
+def test_the_pool_owns_error_restarts_so_one_failing_worker_boots_at_most_max_relaunches_plus_one(tmp_path):
+    """A trainer that crashes at once, on the emulated cluster (tests/emulated_cluster.py: SkyPilot's
+    max_restarts_on_errors played out on real processes). Launched by hand with the YAML's job_recovery, one
+    job boots 1 + 3 times; the pool's jobs boot once each, so with max_relaunches 3 the worker boots 4 times,
+    not (1 + 3) x (1 + 3) = 16."""
+    from tests.emulated_cluster import EmulatedSkyJobs, read_events
+    from tests.jobs_api import status
+
+    sky_dir = tmp_path / "sky"
+    sky_dir.mkdir()
+    for path in (REPO / "sky").glob("*.yaml"):  # the real YAMLs, the trainer's run crashing first thing
+        text = path.read_text()
+        (sky_dir / path.name).write_text(text.replace("run: |\n", "run: |\n  echo 'boom'; exit 3\n")
+                                         if path.name == "trainer.yaml" else text)
+    logdir = tmp_path / "cluster"
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps({"traces": str(REPO / "sky/traces/aws-v100-1node-2023-04-22"), "compress": 1.0,
+                                "recovery_seconds": 0.0, "grace_seconds": 1.0, "preempt_window_seconds": 0.0,
+                                "logdir": str(logdir),  # capacity at once, and no preemption
+                                "jobs": {"trainer-0": {"zone": "us-east-1f", "start_tick": 4964}}}))
+    jobs = EmulatedSkyJobs(str(spec))
+    cfg = load_config("configs/tiny.yaml", [f"run.url={RUN}", "placement.max_relaunches=3", "exploration.mode=none"])
+    launcher = SkyLauncher(jobs=jobs, sky_dir=sky_dir, poll_seconds=0, log_tail_lines=3, environ=ENV)
+
+    def boots(name: str) -> int:
+        return sum(e["event"] == "start" and e["job"] == name for e in read_events(logdir))
+
+    def ended(name: str) -> bool:
+        record = launcher.latest(name)
+        return record is not None and status(record) in ("FAILED", "SUCCEEDED", "CANCELLED")
+
+    def wait(condition, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, read_events(logdir)[-5:]
+            time.sleep(0.05)
+
+    by_hand = f"{run_prefix(RUN)}by-hand-trainer-0000"  # `sky jobs launch sky/trainer.yaml`: the YAML as written
+    jobs.launch(sky.Task.from_yaml(str(sky_dir / "trainer.yaml")), by_hand)
+    wait(lambda: ended(by_hand))
+    assert boots(by_hand) == 1 + 3 and status(launcher.latest(by_hand)) == "FAILED"
+
+    pool = SkyPool(cfg, launcher, close_grace_seconds=0)
+    pool.store = RunStore(f"file://{tmp_path}/run")
+    pool.start()
+    name = job_name(RUN, "trainer", 0)
+    while pool_broken(pool.store) is None:
+        wait(lambda: ended(name))
+        pool.keep()
+    assert boots(name) == 1 + cfg.placement.max_relaunches  # 4, one per job
+    assert [n for n in launcher.launched] == [name] * 4 and pool.failures[name] == 4
+    reason = pool_broken(pool.store)["reason"]
+    assert f"the trainer {name} ended 4 times (placement.max_relaunches is 3)" in reason and "boom" in reason
+
+
+def test_workers_join_the_controllers_job_group_when_launched_from_its_managed_job():
+    """SkyPilot's own resolver reads what the launcher passes as ``job_group``: inside the controller's
+    managed job, the controller's id (its workers are cancelled with it); elsewhere, a top-level job."""
+    import inspect
+
+    from sky.jobs.client.sdk import _resolve_job_group
+    from sky.server.constants import MIN_JOBS_PARENT_LINK_API_VERSION
+
+    inside = {"SKYPILOT_MANAGED_JOB_ID": "17", "SKYPILOT_TASK_ID": "sky-managed-2026_spotlight-ctl_17-0"}
+    group = controller_job_group(inside, api_version=MIN_JOBS_PARENT_LINK_API_VERSION)
+    assert group == 17 and _resolve_job_group(group).parent_job_id == 17
+    inspect.signature(sky.jobs.launch).bind(sky.Task(run="true"), name="w", job_group=group)  # a real argument
+    assert controller_job_group({}, api_version=MIN_JOBS_PARENT_LINK_API_VERSION) is None
+    assert not _resolve_job_group(None).attaches
+    assert controller_job_group(inside, api_version=MIN_JOBS_PARENT_LINK_API_VERSION - 1) is None  # an older server
+
+
+def test_on_the_controller_vm_the_api_server_must_be_the_users():
+    inside = {"SKYPILOT_MANAGED_JOB_ID": "17"}
+    with pytest.raises(RuntimeError, match="set SKYPILOT_API_SERVER_ENDPOINT to your remote API server"):
+        check_api_server({**inside, "SKYPILOT_API_SERVER_ENDPOINT": "http://127.0.0.1:46580"})
+    check_api_server({**inside, "SKYPILOT_API_SERVER_ENDPOINT": "https://skypilot.example.com"})
+    check_api_server({})  # not in a managed job (a laptop): whatever SkyPilot is configured with
+
+
+def test_session_tokens_are_passed_and_their_expiry_is_checked(caplog):
+    token = "FwoGZXIvYXdzEXAMPLEsessionTOKEN0123456789"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    soon = {**ENV, "AWS_SESSION_TOKEN": token, "AWS_CREDENTIAL_EXPIRATION": (now + datetime.timedelta(minutes=5)).isoformat()}
+    jobs = FakeSkyJobs()
+    with pytest.raises(RuntimeError, match=r"the AWS session token expires at .* in [45] min"):
+        SkyLauncher(jobs=jobs, poll_seconds=0, environ=soon).start("trainer", 0, _config())
+    assert jobs.launched == []
+    later = {**soon, "AWS_CREDENTIAL_EXPIRATION": (now + datetime.timedelta(hours=3)).isoformat().replace("+00:00", "Z")}
+    with caplog.at_level("WARNING"):
+        SkyLauncher(jobs=jobs, poll_seconds=0, environ=later).start("trainer", 0, _config())
+    [(task, _)] = jobs.launched
+    assert task.secrets["AWS_SESSION_TOKEN"].get_secret_value() == token
+    assert "expire at" in caplog.text and "(in 3.0 h)" in caplog.text and token not in caplog.text
+    # the pool's jobs leave error restarts to the pool; the rest of the YAML's job_recovery stays
+    assert all(r.job_recovery == {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0} for r in task.resources)
+    with pytest.raises(ValueError, match="AWS_CREDENTIAL_EXPIRATION='tomorrow' is not an ISO 8601 time"):
+        SkyLauncher(jobs=jobs, poll_seconds=0, environ={**soon, "AWS_CREDENTIAL_EXPIRATION": "tomorrow"}).secrets()

@@ -4,28 +4,54 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from spotlight import cost
+from spotlight.exploration import open_queues
+from spotlight.pool import pool_done
+from spotlight.run import open_run_from_url
+from spotlight.stage_queue import open_requests
 from spotlight.store import RunStore
-from tests.conftest import cli_env, run_cli, spotlight_cmd
+from tests.conftest import SMALL, cli_env, run_cli, spotlight_cmd
 
 FINAL = "iterations/0002/update"
 
 
-def test_run_writes_report_and_resumes_without_recomputing(tmp_path: Path, small_overrides):
-    result = run_cli(spotlight_cmd("run", overrides=small_overrides), tmp_path)
+@dataclass
+class SmallRun:
+    """One clean run of the small config: the reference the interrupted runs must equal, bit for bit."""
+
+    tmp: Path
+    root: Path
+    overrides: list[str]
+    result: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, cache_url) -> SmallRun:
+    tmp = tmp_path_factory.mktemp("small-run")
+    overrides = [*SMALL, f"run.cache_url={cache_url}", f"run.url=file://{tmp}/run"]
+    result = run_cli(spotlight_cmd("run", overrides=overrides), tmp)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    run = tmp_path / "run"
+    return SmallRun(tmp, tmp / "run", overrides, result)
+
+
+def test_run_writes_report_and_resumes_without_recomputing(small_run: SmallRun):
+    run, result = small_run.root, small_run.result
     for name in ("reward_curve.png", "samples_before_after.png", "summary.json"):
         assert (run / "report" / name).stat().st_size > 1000 or name == "summary.json"
     assert "held-out reward, theta_3" in result.stdout and "samples_before_after.png" in result.stdout
     store = RunStore(f"file://{run}")
     policy = run / store.load(FINAL).key("policy.safetensors")
     policy_mtime = policy.stat().st_mtime_ns
-    again = run_cli(spotlight_cmd("run", overrides=small_overrides), tmp_path)
+    again = run_cli(spotlight_cmd("run", overrides=small_run.overrides), small_run.tmp)
     assert again.returncode == 0, again.stderr[-3000:]
     assert policy.stat().st_mtime_ns == policy_mtime, "committed work is not redone"
     assert store.load(FINAL).json("metrics.json")["first_log_ratio"] < 1e-4
@@ -36,13 +62,39 @@ def _policy_bytes(run: Path) -> bytes:
     return commit.read("policy.safetensors") + commit.read("optimizer.safetensors")
 
 
-def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path: Path, cache_url):
-    from tests.conftest import SMALL
+def test_budget_cap_stops_cleanly_and_a_raised_cap_resumes_bit_identically(tmp_path: Path, cache_url,
+                                                                            small_run: SmallRun):
+    """The trainer at $1 per second of its time, a cap of $2: its boot alone passes it, so the run stops before
+    its first iteration (where it stops within a run is the forecast's business: tests/test_budget.py)."""
+    run = tmp_path / "run"
+    priced = [*SMALL, f"run.cache_url={cache_url}", f"run.url=file://{run}", "placement.trainer.price_per_hour=3600"]
+    store = RunStore(f"file://{run}")
+    capped = run_cli(spotlight_cmd("run", overrides=[*priced, "placement.max_dollars=2"]), tmp_path)
+    out = " ".join(capped.stderr.split())
+    assert capped.returncode == 3, capped.stdout[-3000:] + capped.stderr[-3000:]
+    assert re.search(r"budget cap: stopped at the budget cap before iteration 0: placement.max_dollars is \$2.0000; "
+                     r"spent \$\d+\.\d{4}, and the next iteration .* run again with a higher cap "
+                     r"\(--set placement.max_dollars=...\) to continue", out), out[-3000:]
+    assert "Traceback" not in capped.stderr and "iterations committed" in capped.stdout  # the report of what was done
+    # clean: nothing of an iteration is committed, nothing posted is left open, the workers were told to leave
+    # and did (each one's last ledger entry is its exit)
+    assert not any(store.is_committed(f"iterations/{t:04d}/update") for t in range(3))
+    assert store.is_committed("evaluations/0000") and not open_requests(store) and pool_done(store)
+    assert not open_queues(open_run_from_url(store.url))
+    last: dict[str, dict] = {}
+    for e in cost.ledger(store):
+        if e["worker"] not in last or e["recorded_at"] > last[e["worker"]]["recorded_at"]:
+            last[e["worker"]] = e
+    assert last and all(e["outcome"] == "exit" for e in last.values()), last
 
-    reference = tmp_path / "reference"
-    ref_overrides = [*SMALL, f"run.cache_url={cache_url}", f"run.url=file://{reference}"]
-    assert run_cli(spotlight_cmd("run", overrides=ref_overrides), tmp_path).returncode == 0
+    # raised: it continues where it stopped and ends with the uncapped run's weights
+    resumed = run_cli(spotlight_cmd("run", overrides=[*priced, "placement.max_dollars=100000"]), tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _policy_bytes(run) == _policy_bytes(small_run.root)
 
+
+def test_kill_9_anywhere_then_resume_is_bit_identical(tmp_path: Path, cache_url, small_run: SmallRun):
+    reference = small_run.root
     # A fresh cache too, so the kill can land in pretraining as well as in any RL stage. Kill points
     # follow progress, not the clock (a fast machine would finish before a fixed delay): first
     # mid-pretraining, then after random numbers of the run's commits, each plus a random fraction

@@ -90,6 +90,11 @@ class PlacementSection(Section):
                                 "while the run needed it, before the run fails naming it")
     idle_exit_seconds: float = Field(3600.0, gt=0, description="a cloud worker with no work this long exits "
                                      "(the controller is gone); the pool relaunches it when work comes")
+    max_dollars: float | None = Field(None, gt=0, description="budget cap: no iteration starts whose forecast "
+                                      "(the cost ledger so far plus the costliest iteration yet) would pass it; "
+                                      "the run stops naming the cap, and a resume with a higher cap continues")
+    flow_timeout_hours: float | None = Field(None, gt=0, description="a flow run that runs this long stops and "
+                                             "tears its workers down (TimedOut); running it again resumes")
     sequence_parallel: SequenceParallelSection = Field(
         default_factory=SequenceParallelSection, description="elastic sequence-parallel groups for "
         "high-resolution rollouts (spotlight.sequence_parallel); degree 1: none")
