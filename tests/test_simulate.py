@@ -145,6 +145,9 @@ def test_a_whole_forecast_billed_by_hand():
     # waiting, 1 LIST/s: controller 140 s, trainer 140 - 100 busy, explorer 120 held - 50 busy
     puts, gets = 2 * 10 + 2 * 10 + 4 * 4 + 4 + 140 + 40 + 70, 2 * 5 + 2 * 10 + 4 * 1 + 4
     assert bill["s3"] == pytest.approx(puts * 0.005 / 1000 + gets * 0.0004 / 1000)
+    # today's code, 20 items open: queue.status() (41 LIST + 20 GET) twice a second, + the join key's HEAD, + the
+    # update's commit marker, and the pool check about once a second: 82 LIST/s and 45 GET/s, $1.54/h
+    assert TODAY.controller_exploring(20) == (82, 45)
 
 
 # -- prices, work and boots at the real config ------------------------------------------------------------

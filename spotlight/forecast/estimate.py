@@ -187,20 +187,19 @@ def forecast(cfg: Config, scenario: Scenario, curves: dict[str, list[Curve]], tr
             if base is not None and base >= scenario.target:
                 raise ForecastError(f"target {scenario.target} is already met by the base policy in {label} seed "
                                     f"{c.seed} (theta_0: {base:.4f}): nothing to forecast")
+    work = work if work is not None else iteration_work(cfg)
     out = []
     for schedule in schedules:
         if schedule.curve not in curves:
             out.append(ScheduleForecast(schedule, (), {}, {}))
             continue
         targets = tuple(to_target(curves[schedule.curve], scenario.target, scenario.horizon))
-        explores = schedule.explorers is not None
-        sched_work = work if work is not None else iteration_work(cfg)
-        if explores and cfg.exploration.mode == "none":
+        if schedule.explorers is not None and cfg.exploration.mode == "none":
             raise ForecastError(f"{schedule.name}: the config's exploration.mode is none; forecast a config that explores")
         setups, outcomes = {}, {}
         for trace in traces:
             region = scenario.region or trace.region
-            setups[trace.zone] = setup(schedule, cfg, sched_work, scenario, region, catalog_dir)
+            setups[trace.zone] = setup(schedule, cfg, work, scenario, region, catalog_dir)
             _check_fits(trace, schedule, setups[trace.zone], scenario.boot.seconds)
             spot = schedule.trainer_spot or (setups[trace.zone].explorers is not None
                                              and setups[trace.zone].explorers.use_spot)
@@ -208,5 +207,4 @@ def forecast(cfg: Config, scenario: Scenario, curves: dict[str, list[Curve]], tr
             outcomes[trace.zone] = tuple(simulate(schedule, setups[trace.zone], trace, o, t, scenario)
                                          for t in targets for o in offsets)
         out.append(ScheduleForecast(schedule, targets, outcomes, setups))
-    return Forecast(scenario, cfg.run.name, work if work is not None else iteration_work(cfg), curves, tuple(traces),
-                    tuple(out))
+    return Forecast(scenario, cfg.run.name, work, curves, tuple(traces), tuple(out))

@@ -33,6 +33,18 @@ def ratio(baseline: list[Outcome], mine: list[Outcome], what: str) -> str:
     return "?" if low and high else f"{'> ' if low else '< ' if high else ''}{value:.2f}x"
 
 
+def paired(base: ScheduleForecast, mine: ScheduleForecast, what: str) -> str:
+    """p10-p90 of baseline / this, run by run: each replayed run against the baseline's run of the same seed in
+    the same zone, over the seeds both curves reached (the trace offsets make the spread)."""
+    theirs = {(zone, o.seed): o for zone, outs in base.outcomes.items() for o in outs}
+    values = [getattr(theirs[(zone, o.seed)], what) / getattr(o, what) for zone, outs in mine.outcomes.items()
+              for o in outs if (zone, o.seed) in theirs and o.reached and theirs[(zone, o.seed)].reached]
+    if not values:
+        return "n/a"
+    p10, p90 = np.percentile(values, [10, 90])
+    return f"{p10:.2f}-{p90:.2f}"
+
+
 def _reached(s: ScheduleForecast) -> str:
     return f"{sum(t.reached for t in s.targets)}/{len(s.targets)}"
 
@@ -49,14 +61,15 @@ def summary_table(fc: Forecast) -> Table:
                         f"iterations ({len(fc.traces)} zones x {sc.offsets} trace offsets x seeds; on-demand-only "
                         "schedules: one run per zone and seed)")
     for col in ("schedule", "curve", "seeds reached", "iterations mean (range)", "hours mean (p10-p90)",
-                "x faster", "$ mean (p10-p90)", "x cheaper", "$ trainer / explorers / controller / S3",
-                "preemptions/run"):
+                "x faster", "x faster, run by run p10-p90", "$ mean (p10-p90)", "x cheaper",
+                "x cheaper, run by run p10-p90", "$ trainer / explorers / controller / S3", "preemptions/run"):
         table.add_column(col, justify="left" if col in ("schedule", "curve") else "right")
-    base = fc.schedule(ON_DEMAND_SYNC.name).all
+    base_fc = fc.schedule(ON_DEMAND_SYNC.name)
+    base = base_fc.all
     for s in fc.schedules:
         outs = s.all
         if not outs:
-            table.add_row(s.schedule.name, s.schedule.curve, "no curve", "-", "-", "-", "-", "-", "-", "-")
+            table.add_row(s.schedule.name, s.schedule.curve, "no curve", *["-"] * 9)
             continue
         m, p10, _, p90 = _spread([o.seconds / 3600 for o in outs])
         d, d10, _, d90 = _spread([o.dollars for o in outs])
@@ -64,8 +77,9 @@ def summary_table(fc: Forecast) -> Table:
                            for k in ("trainer", "explorers", "controller", "s3"))
         is_base = s.schedule is ON_DEMAND_SYNC
         table.add_row(s.schedule.name, s.schedule.curve, _reached(s), _iterations(s), f"{m:.1f} ({p10:.1f}-{p90:.1f})",
-                      "" if is_base else ratio(base, outs, "seconds"), f"{d:.2f} ({d10:.2f}-{d90:.2f})",
-                      "" if is_base else ratio(base, outs, "dollars"),
+                      "" if is_base else ratio(base, outs, "seconds"), "" if is_base else paired(base_fc, s, "seconds"),
+                      f"{d:.2f} ({d10:.2f}-{d90:.2f})", "" if is_base else ratio(base, outs, "dollars"),
+                      "" if is_base else paired(base_fc, s, "dollars"),
                       parts, f"{np.mean([o.preemptions for o in outs]):.2f}")
     return table
 
@@ -115,7 +129,7 @@ def width_table(options: list[WidthOption], fc: Forecast | None = None) -> Table
     """Every width x explorer count, and the one with the lowest mean $ to the target."""
     best = cheapest(options)
     table = Table(title="exploration width and explorers: $ to the target (Spotlight at the config's placement; "
-                        f"mean over seeds, zones and {options[0].outcomes and len(options[0].outcomes)} runs per cell)")
+                        f"mean over {len(options[0].outcomes)} runs per cell: seeds x zones x trace offsets)")
     for col in ("bench variant", "K/G", "candidates per prompt", "explorers", "seeds reached", "iterations mean",
                 "hours mean (p10-p90)", "$ mean (p10-p90)", "x cheaper than on-demand sync", ""):
         table.add_column(col, justify="left" if col in ("bench variant", "") else "right")
