@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from spotlight.config import load_config
@@ -142,8 +143,8 @@ def test_a_whole_forecast_billed_by_hand():
     assert bill["trainer"] == pytest.approx(140 / 3600 * 3.6) and bill["explorers"] == pytest.approx(120 / 3600 * 1.8)
     assert bill["controller"] == pytest.approx(140 / 3600 * 0.36)
     # work: 2 stages (updates; no evaluation) x 10, 2 explorations x 10, 4 items x (2/2 + 3), 4 units: 60 PUT-class;
-    # waiting, 1 LIST/s: controller 140 s, trainer 140 - 100 busy, explorer 120 held - 50 busy
-    puts, gets = 2 * 10 + 2 * 10 + 4 * 4 + 4 + 140 + 40 + 70, 2 * 5 + 2 * 10 + 4 * 1 + 4
+    # waiting, 1 GET/s: controller 140 s, trainer 140 - 100 busy, explorer 120 held - 50 busy
+    puts, gets = 2 * 10 + 2 * 10 + 4 * 4 + 4, 2 * 5 + 2 * 10 + 4 * 1 + 4 + 140 + 40 + 70
     assert bill["s3"] == pytest.approx(puts * 0.005 / 1000 + gets * 0.0004 / 1000)
     # today's code, 20 items open: queue.status() (41 LIST + 20 GET) twice a second, + the join key's HEAD, + the
     # update's commit marker, and the pool check about once a second: 82 LIST/s and 45 GET/s, $1.54/h
@@ -298,6 +299,12 @@ def test_bounds_when_a_seed_never_reaches_the_target():
     base, light = fc.schedule("on-demand sync").all, fc.schedule("spotlight, on-demand trainer").all
     assert report.ratio(base, light, "dollars").startswith("> ")  # the baseline's unreached seed: a lower bound
     assert report.ratio(light, base, "dollars").startswith("< ")
+    # the spread over trace offsets: per offset, the seeds' mean against the baseline's seeds' mean in the zone
+    light_fc, base_fc = fc.schedule("spotlight, on-demand trainer"), fc.schedule("on-demand sync")
+    per_offset = sorted(sum(o.dollars for o in base_fc.all) / 2 / (sum(o.dollars for o in light_fc.all if o.offset == k) / 2)
+                        for k in {o.offset for o in light_fc.all})
+    p10, p90 = np.percentile(per_offset, [10, 90])
+    assert report.over_offsets(base_fc, light_fc, "dollars") == f"> {p10:.2f}-{p90:.2f}"
     from rich.console import Console
 
     console = Console(width=250, record=True)

@@ -72,6 +72,7 @@ class Outcome:
     """One replayed run to the target."""
 
     seed: int
+    offset: int  # the trace tick the replay started from (0 for on-demand-only schedules)
     reached: bool  # False: the seed's curve never reached the target; the run counts with the whole horizon
     iterations: int
     seconds: float
@@ -170,7 +171,7 @@ def simulate(schedule: Schedule, s: Setup, trace: Trace, offset: int, target: To
     bill = (("trainer", trainer_held / 3600 * s.trainer.usd_per_hour),
             ("explorers", explorer_held / 3600 * (s.explorers.usd_per_hour if s.explorers else 0.0)),
             ("controller", end / 3600 * s.controller.usd_per_hour), ("s3", usd(requests)))
-    return Outcome(target.seed, target.reached, target.iterations, end, bill,
+    return Outcome(target.seed, offset, target.reached, target.iterations, end, bill,
                    sum(w.preemptions(end) for w in [trainer, *explorers]))
 
 
