@@ -25,6 +25,13 @@ class Curve:
     rewards: tuple[tuple[int, float], ...]  # (iteration, held-out reward of theta_iteration), ascending
     length: int  # iterations the run was set to (grpo.iterations)
     url: str = ""
+    explored: float | None = None  # mean candidates per explored prompt (None: nothing explored)
+    group_size: int | None = None
+
+    @property
+    def selection(self) -> float | None:
+        """K/G: candidates explored per prompt over the group trained on (what seed selection chooses from)."""
+        return self.explored / self.group_size if self.explored and self.group_size else None
 
     def iterations_to(self, target: float) -> int | None:
         """Iterations until theta_t first reaches the target (None: never, in this curve). With sparse

@@ -55,9 +55,9 @@ def read_run(label: str, seed: int, url: str) -> RunRecord:
         raise ForecastError(f"run store {url}: unreadable record: {e!r}") from None
     if not rewards:
         raise ForecastError(f"run store {url}: no committed evaluations (evaluations/NNNN/metrics.json)")
-    curve = Curve(label, seed, tuple(sorted(rewards.items())), int(cfg["grpo"]["iterations"]), url)
-    return RunRecord(curve, cfg["exploration"]["mode"], int(cfg["grpo"]["group_size"]),
-                     fmean(widths) if widths else None,
+    width, group = fmean(widths) if widths else None, int(cfg["grpo"]["group_size"])
+    curve = Curve(label, seed, tuple(sorted(rewards.items())), int(cfg["grpo"]["iterations"]), url, width, group)
+    return RunRecord(curve, cfg["exploration"]["mode"], group, width,
                      tuple(t["critical_path_seconds"] - t["explore_wait_seconds"] for t in timeline),
                      tuple(float(s["rollout_seconds"]) for s in stats))
 

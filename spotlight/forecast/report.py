@@ -14,7 +14,7 @@ import numpy as np
 from rich.table import Table
 
 from spotlight.forecast.estimate import Forecast, Outcome, ScheduleForecast
-from spotlight.forecast.schedules import ON_DEMAND_SYNC
+from spotlight.forecast.schedules import ON_DEMAND_SYNC, SYNC_EXPLORATION
 from spotlight.forecast.widths import WidthOption, cheapest
 
 
@@ -61,18 +61,28 @@ def _iterations(s: ScheduleForecast) -> str:
     return f"{np.mean(its):.0f} ({min(its)}-{max(its)})"
 
 
+def _against(base: ScheduleForecast, mine: ScheduleForecast, what: str) -> str:
+    """The mean ratio and, in brackets, its p10-p90 over trace offsets."""
+    if base is mine or not base.all:
+        return ""
+    spread = over_offsets(base, mine, what).removeprefix("> ").removeprefix("< ")
+    return f"{ratio(base.all, mine.all, what)} ({spread})"
+
+
 def summary_table(fc: Forecast) -> Table:
-    """Time and dollars to the target per schedule, pooled over seeds, zones and trace offsets."""
+    """Time and dollars to the target per schedule, pooled over seeds, zones and trace offsets, against the
+    two baselines."""
     sc = fc.scenario
     table = Table(title=f"forecast to held-out reward >= {sc.target}, {fc.config_name} at {sc.horizon.real_iterations} "
                         f"iterations ({len(fc.traces)} zones x {sc.offsets} trace offsets x seeds; on-demand-only "
-                        "schedules: one run per zone and seed)")
+                        "schedules: one run per zone and seed)",
+                  caption="x faster, x cheaper: the baseline's mean / this mean, and in brackets its p10-p90 over "
+                          "trace offsets (per offset the seeds' mean)")
+    base, synced = fc.schedule(ON_DEMAND_SYNC.name), fc.schedule(SYNC_EXPLORATION.name)
     for col in ("schedule", "curve", "seeds reached", "iterations mean (range)", "hours mean (p10-p90)",
-                "x faster", "x faster, p10-p90 over offsets", "$ mean (p10-p90)", "x cheaper",
-                "x cheaper, p10-p90 over offsets", "$ trainer / explorers / controller / S3", "preemptions/run"):
+                "$ mean (p10-p90)", "vs on-demand sync: x faster", "x cheaper", "vs sync exploration: x faster",
+                "x cheaper ", "$ trainer / explorers / controller / S3", "preemptions/run"):
         table.add_column(col, justify="left" if col in ("schedule", "curve") else "right")
-    base_fc = fc.schedule(ON_DEMAND_SYNC.name)
-    base = base_fc.all
     for s in fc.schedules:
         outs = s.all
         if not outs:
@@ -82,12 +92,10 @@ def summary_table(fc: Forecast) -> Table:
         d, d10, _, d90 = _spread([o.dollars for o in outs])
         parts = " / ".join(f"{np.mean([dict(o.usd)[k] for o in outs]):.2f}"
                            for k in ("trainer", "explorers", "controller", "s3"))
-        is_base = s.schedule is ON_DEMAND_SYNC
         table.add_row(s.schedule.name, s.schedule.curve, _reached(s), _iterations(s), f"{m:.1f} ({p10:.1f}-{p90:.1f})",
-                      "" if is_base else ratio(base, outs, "seconds"), "" if is_base else over_offsets(base_fc, s, "seconds"),
-                      f"{d:.2f} ({d10:.2f}-{d90:.2f})", "" if is_base else ratio(base, outs, "dollars"),
-                      "" if is_base else over_offsets(base_fc, s, "dollars"),
-                      parts, f"{np.mean([o.preemptions for o in outs]):.2f}")
+                      f"{d:.2f} ({d10:.2f}-{d90:.2f})", _against(base, s, "seconds"), _against(base, s, "dollars"),
+                      _against(synced, s, "seconds"), _against(synced, s, "dollars"), parts,
+                      f"{np.mean([o.preemptions for o in outs]):.2f}")
     return table
 
 
@@ -169,8 +177,11 @@ def assumptions(fc: Forecast) -> list[str]:
              "from the start until the target (idle time paid); the controller's own boot and a lost item's lease "
              "expiry (a kill without notice) are not modelled"]
     for label, runs in fc.curves.items():
+        kg = [c.selection for c in runs if c.selection]
+        explored = (f", explored {np.mean([c.explored for c in runs if c.explored]):.0f} candidates per prompt "
+                    f"(K/G {np.mean(kg):.1f}; priced here: K/G {w.width / w.group_size:.1f})" if kg else "")
         lines.append(f"curve {label}: {len(runs)} seed(s) ({', '.join(str(c.seed) for c in runs)}), {runs[0].length} "
-                     f"iterations each ({runs[0].url.rsplit('/', 1)[0] if runs[0].url else 'in memory'})")
+                     f"iterations each{explored} ({runs[0].url.rsplit('/', 1)[0] if runs[0].url else 'in memory'})")
     seen = set()
     for s in fc.schedules:
         for zone, st in s.setups.items():

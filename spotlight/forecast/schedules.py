@@ -116,10 +116,11 @@ class Spotlight(Schedule):
 
 
 ON_DEMAND_SYNC = Sync("on-demand sync", "none", trainer_spot=False, explorers=None)
+SYNC_EXPLORATION = SyncExploration("sync exploration, on-demand", "sync", trainer_spot=False, explorers="on-demand")
 SCHEDULES: tuple[Schedule, ...] = (
     ON_DEMAND_SYNC,
     Sync("all-spot sync", "none", trainer_spot=True, explorers=None),
-    SyncExploration("sync exploration, on-demand", "sync", trainer_spot=False, explorers="on-demand"),
+    SYNC_EXPLORATION,
     Spotlight("spotlight, on-demand trainer", "spotlight", trainer_spot=False, explorers="placement"),
     Spotlight("spotlight, spot trainer", "spotlight", trainer_spot=True, explorers="placement"),
 )

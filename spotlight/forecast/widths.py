@@ -63,7 +63,8 @@ def width_options(cfg: Config, scenario: Scenario, records: list[RunRecord], tra
         raise ForecastError("the width lever needs a config that explores (exploration.mode is none)")
     schedule = Spotlight("spotlight", "spotlight", trainer_spot=cfg.placement.trainer.use_spot, explorers="placement")
     options = []
-    for label, curves in by_label([r.curve for r in records]).items():
+    labels = by_label([r.curve for r in records])
+    for label, curves in sorted(labels.items(), key=lambda kv: fmean(c.explored or 0.0 for c in kv[1])):
         runs = [r for r in records if r.label == label]
         if any(r.width is None for r in runs):
             raise ForecastError(f"width runs {label}: {', '.join(r.curve.url for r in runs if r.width is None)} "
