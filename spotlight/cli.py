@@ -171,7 +171,8 @@ def simulate(
             None, "--horizon", help="CURVE:REAL, curve iteration k -> iteration k x REAL / CURVE; default: the "
                                     "curves' length : the config's grpo.iterations"),
         widths: Optional[Path] = typer.Option(
-            None, "--widths", help="a bench/width_sweep.py --out folder: choose the width and explorer count"),
+            None, "--widths", help="a bench/width_sweep.py --out folder: choose the width and explorer count (the "
+                                   "curves' spotlight runs join the table, priced at their mean width)"),
         width_explorers: str = typer.Option("1,2,4", "--width-explorers", help="explorer counts the width table tries"),
         width_offsets: int = typer.Option(8, "--width-offsets", help="trace offsets per zone in the width table"),
         explorers: Optional[int] = typer.Option(None, "--explorers", help="default: placement.explorer.workers"),
@@ -219,7 +220,8 @@ def simulate(
         from dataclasses import replace
 
         counts = tuple(int(x) for x in width_explorers.split(","))
-        options = fw.width_options(cfg, replace(scenario, offsets=width_offsets), records.runs_in(widths),
+        planned = [r for r in runs if r.label == "spotlight"]  # the planner's own allocation, beside fixed widths
+        options = fw.width_options(cfg, replace(scenario, offsets=width_offsets), records.runs_in(widths) + planned,
                                    zone_traces, counts)
         out.print(report.width_table(options, fc))
     for s in fc.schedules:

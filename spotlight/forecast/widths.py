@@ -6,7 +6,8 @@ width, ``bench/width_sweep.py``); what a width costs per iteration comes from th
 stands for the same multiple of the group size in the real config (the filter keeps G of K candidates:
 K/G is what selection buys), rounded to whole seed batches. The explorer count changes no reward: who
 rolls a unit out never changes its result (the planner's budget is in forward passes, not seconds), so
-it only moves time and dollars, and is a replay axis.
+it only moves time and dollars, and is a replay axis. A run whose planner allocated its candidates
+unevenly (the default spotlight runs) is priced at its mean width, spread evenly: the same work.
 """
 
 from __future__ import annotations
