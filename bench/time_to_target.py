@@ -43,6 +43,8 @@ from rich.console import Console
 from rich.table import Table
 from targets import Curve, hits, reached_summary, seed_ratio, speedups, t_interval
 
+from spotlight.store import RunStore
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -99,6 +101,11 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def committed(store: RunStore, name: str, obj: str) -> dict | None:
+    """An object of a committed step, read through the store (objects live under the commit's attempt key)."""
+    return store.load(name).json(obj) if store.is_committed(name) else None
+
+
 @dataclass
 class RunRecord:
     evals: list[float]  # held-out reward of theta_1..theta_n
@@ -134,16 +141,16 @@ def record(run: Path, iterations: int) -> RunRecord:
 
     Exploration k's worker seconds count in the iteration it ran during: k - 1 in spotlight mode
     (explore(0) in iteration 0), k in sync mode."""
-    metrics = [read(run / f"evaluations/{t:04d}/metrics.json") for t in range(1, iterations + 1)]
+    store = RunStore(f"file://{run}")
+    metrics = [committed(store, f"evaluations/{t:04d}", "metrics.json") for t in range(1, iterations + 1)]
     evals = [m["eval_reward"] for m in metrics]
     timeline = [read(run / f"timeline/{t:04d}.json") for t in range(iterations)]
     seconds = [x["critical_path_seconds"] for x in timeline]
     core_seconds = [x["critical_path_seconds"] * x.get("trainer_processes", 1) for x in timeline]
-    mode = read(run / "config/config.json")["exploration"]["mode"]
+    mode = committed(store, "config", "config.json")["exploration"]["mode"]
     for k in range(iterations + 1):
-        stats = run / f"iterations/{k:04d}/explore/stats.json"
-        if mode != "none" and stats.exists():
-            s = read(stats)
+        s = committed(store, f"iterations/{k:04d}/explore", "stats.json") if mode != "none" else None
+        if s is not None:
             worker = s.get("worker_rollout_seconds", s["rollout_seconds"])
             core_seconds[max(k - 1, 0) if mode == "spotlight" else min(k, iterations - 1)] += worker
     return RunRecord(evals, seconds, core_seconds, [m.get("diversity_vs_base") for m in metrics],

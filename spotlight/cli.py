@@ -161,54 +161,79 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
 @app.command()
 def simulate(
         target: float = typer.Option(..., "--target", help="held-out reward to reach"),
-        curves: Optional[Path] = typer.Option(
-            None, "--curves", help="a bench/time_to_target.py --out folder (run stores <mode>-s<seed>)"),
-        runs: list[str] = typer.Option([], "--run", help="MODE=URL: a run store of mode none or spotlight (repeatable)"),
+        curves: Path = typer.Option(..., "--curves", help="a bench/time_to_target.py --out folder: run stores "
+                                                          "none-s<seed>, sync-s<seed>, spotlight-s<seed> (every seed)"),
+        config: Path = ConfigOpt, overrides: list[str] = SetOpt,
         update_seconds: Optional[float] = typer.Option(
-            None, "--update-seconds", help="trainer seconds per iteration; default: measured from the runs' timeline/"),
-        explore_seconds: Optional[float] = typer.Option(
-            None, "--explore-seconds", help="worker-seconds of one exploration; default: measured from the runs"),
-        explore_units: Optional[int] = typer.Option(
-            None, "--explore-units", help="seed batches per exploration (a preemption loses one); default: measured"),
-        explorers: int = typer.Option(1, "--explorers", help="spot explorers of the Spotlight schedule"),
-        cold_start: float = typer.Option(300.0, "--cold-start-seconds", help="provision + setup + model load, first launch"),
-        recovery: float = typer.Option(300.0, "--recovery-seconds", help="the same, after each preemption"),
-        stall: float = typer.Option(120.0, "--stall-seconds", help="no exploration progress this long: the trainer joins"),
-        accelerator: str = typer.Option("A100:8", "--accelerator", help="one trainer node, NAME:COUNT"),
-        explorer_accelerator: Optional[str] = typer.Option(None, "--explorer-accelerator", help="default: --accelerator"),
+            None, "--update-seconds", help="the trainer's seconds per update at the config's batch on its GPU; "
+                                           "default: measured in the curves' none runs (timeline/)"),
+        horizon: Optional[str] = typer.Option(
+            None, "--horizon", help="CURVE:REAL, curve iteration k -> iteration k x REAL / CURVE; default: the "
+                                    "curves' length : the config's grpo.iterations"),
+        widths: Optional[Path] = typer.Option(
+            None, "--widths", help="a bench/width_sweep.py --out folder: choose the width and explorer count (the "
+                                   "curves' spotlight runs join the table, priced at their mean width)"),
+        width_explorers: str = typer.Option("1,2,4", "--width-explorers", help="explorer counts the width table tries"),
+        width_offsets: int = typer.Option(8, "--width-offsets", help="trace offsets per zone in the width table"),
+        explorers: Optional[int] = typer.Option(None, "--explorers", help="default: placement.explorer.workers"),
+        setup_seconds: float = typer.Option(240.0, "--setup-seconds", help="provisioning + setup per launch"),
+        bandwidth: float = typer.Option(1.0, "--bandwidth-gb-s", help="weights read at boot, GB/s"),
+        polling: str = typer.Option("today", "--polling", help="S3 polling while waiting: today | issue-18"),
         cloud: str = typer.Option("aws", "--cloud", help="whose catalog prices (sky/catalog/v8/<cloud>/vms.csv)"),
         region: Optional[str] = typer.Option(None, "--region", help="price region; default: each trace zone's region"),
         traces: Optional[Path] = typer.Option(None, "--traces", help="spot trace folder; default: the shipped sky/traces"),
         zones: Optional[str] = typer.Option(None, "--zones", help="comma-separated zones of that folder; default: all"),
         offsets: int = typer.Option(32, "--offsets", help="evenly spaced trace start offsets per zone"),
         plot: Path = typer.Option(Path("out/simulate.png"), "--plot", help="where to write the PNG")) -> None:
-    """Forecast time and $ to a held-out reward target: on-demand sync, all-spot sync and Spotlight, on real spot traces."""
-    from spotlight import simulate as sim
+    """Forecast hours and $ to a held-out reward target at a config's placement, on real spot traces:
+    on-demand sync, all-spot sync, sync exploration and Spotlight (and, with --widths, the cheapest width)."""
+    from statistics import fmean
 
-    records = sim.runs_in(curves) if curves else []
-    for spec in runs:
-        mode, sep, url = spec.partition("=")
-        if not sep or not url:
-            raise sim.SimulationError(f"--run {spec!r}: expected MODE=URL, e.g. none=file:///tmp/bench/none-s0")
-        records.append(sim.read_run(mode, url))
-    if not records:
-        raise sim.SimulationError("no reward curves: give --curves DIR or --run MODE=URL")
-    scenario = sim.Scenario(target=target, explorers=explorers, cold_start_seconds=cold_start,
-                            recovery_seconds=recovery, stall_seconds=stall, offsets=offsets)
-    times = sim.stage_times(records, update_seconds, explore_seconds, explore_units)
-    fc = sim.forecast(scenario, sim.curves_of(records), times,
-                      sim.load_traces(traces or sim.TRACES_DIR, zones.split(",") if zones else None),
-                      accelerator, explorer_accelerator, cloud, region)
+    from spotlight.forecast import boot, curves as fcurves, estimate, records, report, requests, traces as ftraces, widths as fw
+    from spotlight.forecast.errors import ForecastError
+
+    cfg = load_config(config, overrides)
+    runs = records.runs_in(curves, ("none", "sync", "spotlight"))
+    by_label = fcurves.by_label([r.curve for r in runs])
+    if update_seconds is None:
+        measured = [s for r in runs if r.mode == "none" for s in r.trainer_seconds]
+        if not measured:
+            raise ForecastError(f"{curves}: no timeline/ records in its none runs: give --update-seconds")
+        update_seconds = fmean(measured)
+    if horizon is None:
+        horizon = f"{runs[0].curve.length}:{cfg.grpo.iterations}"
+    try:
+        curve_its, real_its = (int(x) for x in horizon.split(":"))
+    except ValueError:
+        raise ForecastError(f"--horizon {horizon!r}: expected CURVE:REAL, e.g. 20:1000") from None
+    if polling not in requests.POLLING:
+        raise ForecastError(f"--polling {polling!r}: expected one of {', '.join(requests.POLLING)}")
+    scenario = estimate.Scenario(target, fcurves.Horizon(curve_its, real_its), update_seconds,
+                                 boot.Boot(setup_seconds, bandwidth, boot.weight_bytes(cfg)), requests.POLLING[polling],
+                                 offsets, cloud, region, explorers)
+    zone_traces = ftraces.load_traces(traces or ftraces.TRACES_DIR, zones.split(",") if zones else None)
+    fc = estimate.forecast(cfg, scenario, by_label, zone_traces)
     out = Console()
-    out.print(sim.summary_table(fc))
-    out.print(sim.zone_table(fc))
+    for table in (report.summary_table(fc), report.seed_table(fc), report.zone_table(fc)):
+        out.print(table)
+    if widths is not None:
+        from dataclasses import replace
+
+        counts = tuple(int(x) for x in width_explorers.split(","))
+        planned = [r for r in runs if r.label == "spotlight"]  # the planner's own allocation, beside fixed widths
+        options = fw.width_options(cfg, replace(scenario, offsets=width_offsets), records.runs_in(widths) + planned,
+                                   zone_traces, counts)
+        out.print(report.width_table(options, fc))
     for s in fc.schedules:
-        if s.iterations is None:
-            out.print(f"[bold yellow]warning:[/] {s.name}: the {s.mode!r} curve never reaches {target} "
-                      f"(best {fc.curves[s.mode].best[1]:.4f}); no time or cost is forecast for it")
-    for line in sim.assumptions(fc):
+        if not s.targets:
+            out.print(f"[bold yellow]note:[/] {s.schedule.name}: no {s.schedule.curve!r} runs in {curves}; not forecast")
+        elif not all(t.reached for t in s.targets):
+            missed = [str(t.seed) for t in s.targets if not t.reached]
+            out.print(f"[bold yellow]note:[/] {s.schedule.name}: the {s.schedule.curve!r} curve of seed(s) "
+                      f"{', '.join(missed)} never reaches {target}: counted with the whole horizon (a lower bound)")
+    for line in report.assumptions(fc):
         out.print(line, soft_wrap=True, highlight=False)
-    out.print(f"plot: {sim.write_plot(fc, plot)}", soft_wrap=True, highlight=False)
+    out.print(f"plot: {report.write_plot(fc, plot)}", soft_wrap=True, highlight=False)
 
 
 def main() -> None:

@@ -39,14 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from spotlight.catalog import accelerator_price
-from spotlight.simulate import SimulationError, Trace, load_trace
+from spotlight.forecast.errors import ForecastError
+from spotlight.forecast.traces import Trace, load_trace
 from tasks.launcher import SkyJobs
 
 PASSED_ENV = ("HOME", "PYTHONPATH", "OMP_NUM_THREADS", "TMPDIR", "LANG", "LC_ALL", "AWS_DEFAULT_REGION",
               "PYTHONUNBUFFERED", "SKYPILOT_DISABLE_USAGE_COLLECTION", "SPOTLIGHT_POLL_SECONDS")
 
 
-class EmulationError(SimulationError):
+class EmulationError(ForecastError):
     """A bad emulated-cluster spec or trace; the message names it."""
 
 
@@ -136,7 +137,7 @@ def load_spec(path: str | os.PathLike) -> dict[str, Any]:
         raise EmulationError(f"{where}: no spot trace for zone(s) {', '.join(missing)} in {directory}")
     try:
         spec["_traces"] = [load_trace(p) for p in paths.values()]  # a malformed trace fails here, naming it
-    except SimulationError as e:
+    except ForecastError as e:
         raise EmulationError(f"{where}: {e}") from None
     return spec
 

@@ -25,7 +25,7 @@ import boto3
 import pytest
 
 from spotlight import cost
-from spotlight.simulate import load_traces
+from spotlight.forecast.traces import load_traces
 from spotlight.store import RunStore
 from tests.conftest import REPO, SMALL, cli_env, spotlight_cmd
 from tests.emulated_cluster import EmulationError, capacity_schedule, load_spec, read_events
