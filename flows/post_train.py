@@ -23,6 +23,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from spotlight.config import load_config
+from spotlight.memory_plan import fit_placement
 from tasks import stages as stage_tasks
 from tasks.artifacts import publish_iteration, publish_run
 from tasks.launcher import SkyLauncher, launcher_from_env, on_flow_cancellation
@@ -35,10 +36,14 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
     """Flow-GRPO post-training of the configured policy, committing every stage to the run store."""
     cfg = load_config(config_path, overrides, run_url)
     launcher = launcher_from_env()
-    if cfg.placement.trainer.local_cpus and not isinstance(launcher, SkyLauncher):
+    log = get_run_logger()
+    if isinstance(launcher, SkyLauncher):  # rented GPUs: only those that hold their worker (the memory plan)
+        cfg, dropped = fit_placement(cfg)
+        for line in dropped:
+            log.info(line)
+    elif cfg.placement.trainer.local_cpus:
         os.sched_setaffinity(0, set(cfg.placement.trainer.local_cpus))  # this process mostly waits for it
     config, mode, n = cfg.model_dump(mode="json"), cfg.exploration.mode, cfg.grpo.iterations
-    log = get_run_logger()
     log.info("run %s (exploration mode %s, %d iterations)", cfg.run_url, mode, n)
     evaluations = set(stage_tasks.open_run(config).eval_iterations())  # commits the config: workers can open the run
     with worker_pool(cfg, launcher):  # trainers and explorers for the whole run, booted first

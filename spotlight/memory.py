@@ -10,6 +10,7 @@ A leaf (torch only), as torchtune keeps ``torchtune/training/memory.py``; the me
   forward and backward exactly with no memory and no weights: shapes, dtypes, which op saves what for
   backward and when autograd frees it all come from torch itself. What it cannot see: allocator caching
   and fragmentation, CUDA's context, kernels' private workspaces (cuBLAS, flash attention's scratch).
+- :func:`profiled_peak`: the CPU allocator's own peak, from ``torch.profiler``'s memory events.
 - :func:`resident_bytes`: what every module and optimizer alive in this process holds, found through the
   garbage collector: the measurement the one-policy-per-process test makes in a real trainer.
 """
@@ -20,7 +21,7 @@ import gc
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -128,26 +129,17 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-@dataclass(frozen=True)
-class Peak:
-    """The live-bytes peak of a computation above what existed before it, and the marks it recorded."""
-
-    peak: int
-    marks: dict[str, int]
-
-
-def fake_peak(fn: Callable[[LiveBytes], Any], round_to: int = 1) -> Peak:
-    """Run ``fn(tracker)`` under ``FakeTensorMode`` (real tensors it meets are fakified, nothing is
-    computed) and count its live bytes; ``fn`` may call ``tracker.mark``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        tracker = LiveBytes(round_to)
-        with tracker:
-            result = fn(tracker)
-        del result
-        gc.collect()
-    return Peak(tracker.peak, dict(tracker.marks))
+def profiled_peak(prof: Any) -> int:
+    """The peak of the bytes the CPU allocator reported to a ``torch.profiler.profile(profile_memory=True)``
+    above where it started: its own record of every allocation and free, in time order (the measurement the
+    plan's count is checked against; it shares nothing with :class:`LiveBytes`)."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 # -- what a process holds ----------------------------------------------------------------------------

@@ -51,7 +51,6 @@ REWARD_ARCHITECTURES = {"pickscore": "pickscore", "clip_score": "clip-vit-large-
                         "aesthetic": "clip-vit-large-patch14"}
 #: the reward runtime's batch buckets (``spotlight.reward_runtime.make_scorer``)
 REWARD_BUCKETS = (1, 8, 32, 128)
-CLIP_IMAGE_SIZE = 224
 KINDS = ("trainer", "explorer")
 
 
@@ -219,7 +218,8 @@ def _reward_forward(clip: nn.Module, images: int, resolution: int, tracker: Live
     """The reward's image side on ``images`` decoded images: resized to CLIP's input, vision tower, projection."""
     with torch.no_grad():
         pixels = torch.zeros(images, 3, resolution, resolution)
-        pixels = nn.functional.interpolate(pixels, size=(CLIP_IMAGE_SIZE, CLIP_IMAGE_SIZE), mode="bilinear")
+        side = clip.config.vision_config.image_size
+        pixels = nn.functional.interpolate(pixels, size=(side, side), mode="bilinear")
         features = clip.get_image_features(pixel_values=pixels)
         if hasattr(clip, "aesthetic_head"):
             clip.aesthetic_head(features)
@@ -293,14 +293,23 @@ def _ema_on(cfg: Config, ema: bool | None) -> bool:
 def plan_memory(cfg: Config, ema: bool | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` for GPU workers. ``ema``: count an EMA copy of the trainable state (default:
     the config's ``grpo.ema`` when the recipe has that setting)."""
-    return _plan(cfg.model_dump_json(), _ema_on(cfg, ema))
+    degree, explorers = cfg.placement.sequence_parallel.degree, cfg.placement.explorer.workers > 0
+    workers, source, dtype, notes = _workers(json.dumps(cfg.recipe(), sort_keys=True), degree, explorers,
+                                             _ema_on(cfg, ema))
+    fits = {kind: tuple(Fit(a, int(catalog.gpu_memory_gib(a) * GIB), w.need)
+                        for a in getattr(cfg.placement, kind).accelerators)
+            for kind, w in workers.items()}
+    return MemoryPlan(source, dtype, workers, fits, notes)
 
 
 @lru_cache(maxsize=16)
-def _plan(config_json: str, ema: bool) -> MemoryPlan:
+def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
+             ) -> tuple[dict[str, WorkerMemory], str, str, tuple[str, ...]]:
+    """What each worker kind holds: depends on the recipe, the sequence-parallel degree and whether there are
+    explorers, not on the accelerators (so a placement change reuses it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    cfg = config_from_dict(json.loads(config_json))
+    cfg = config_from_dict(json.loads(recipe_json))
     dtype = plan_dtype(cfg)
     policy = planning_policy(cfg, dtype)
     core = policy.core
@@ -421,7 +430,6 @@ def _plan(config_json: str, ema: bool) -> MemoryPlan:
         Phase("text encoding (one prompt)", text_peak),
         *reward_phases("train", ec.seeds_per_batch, ()),
     ]
-    degree = cfg.placement.sequence_parallel.degree
     explorer_notes: tuple[str, ...] = ()
     kind = "explorer"
     if degree > 1:
@@ -435,21 +443,18 @@ def _plan(config_json: str, ema: bool) -> MemoryPlan:
                             explorer_notes)
 
     workers = {"trainer": trainer}
-    if cfg.exploration.mode != "none" and cfg.placement.explorer.workers > 0:
+    if cfg.exploration.mode != "none" and explorers:
         workers["explorer"] = explorer
-    fits = {kind_: tuple(Fit(a, int(catalog.gpu_memory_gib(a) * GIB), w.need)
-                         for a in getattr(cfg.placement, kind_).accelerators)
-            for kind_, w in workers.items()}
     if cfg.model.kind == "tiny-mmdit":
-        source = "configs/tiny.yaml's tiny MMDiT (built in full: kilobytes)"
+        source = "the config's tiny MMDiT (built in full: kilobytes)"
     else:
         from spotlight.models.meta import model_folder
 
         source = str(model_folder(cfg.model))
     plan_notes = []
-    if ema is False and not hasattr(cfg.grpo, "ema"):
+    if not ema and not hasattr(cfg.grpo, "ema"):
         plan_notes.append("no EMA counted: this config has no grpo.ema setting (plan_memory(cfg, ema=True) counts one)")
-    return MemoryPlan(source, _dtype_name(dtype), workers, fits, tuple(plan_notes))
+    return workers, source, _dtype_name(dtype), tuple(plan_notes)
 
 
 def worker_weight_bytes(cfg: Config, kind: str) -> int:

@@ -69,28 +69,29 @@ def component_classes(folder: Path) -> dict[str, type]:
             if not name.startswith("_") and isinstance(spec, list) and spec[0] is not None}
 
 
-def module_on_meta(klass: type, folder: Path, real_buffers: bool = False) -> nn.Module:
-    """One component built from its ``config.json`` with its parameters on ``meta`` (fp32, as constructed).
+def module_on_meta(klass: type, folder: Path, real_buffers: bool = False, dtype: torch.dtype | None = None) -> nn.Module:
+    """One component built from its ``config.json`` with its parameters on ``meta``, in the dtypes
+    ``from_pretrained(torch_dtype=dtype)`` gives it (None: as constructed, fp32).
 
     ``real_buffers``: the buffers a module computes at construction are real (accelerate's
     ``init_empty_weights``: what a skeleton that receives only the state dict needs); otherwise everything is
-    on ``meta`` (``torch.device("meta")``: nothing allocated, a 12B transformer in a fraction of a second)."""
+    on ``meta`` (``torch.device("meta")``: nothing allocated, a 12B transformer in a fraction of a second).
+
+    Dtypes as the libraries load them: diffusers builds in fp32 and casts the module (parameters and
+    floating buffers); transformers builds with ``_from_config(dtype=...)`` (``dtype`` as the default dtype, so
+    buffers computed in fp32 on purpose, rotary ``inv_freq``, stay fp32) and keeps
+    ``_keep_in_fp32_modules_strict`` (and, for fp16, ``_keep_in_fp32_modules``) in fp32.
+    ``tests/test_memory.py`` checks both against ``from_pretrained``."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
     with init_empty_weights() if real_buffers else torch.device("meta"):
         if klass.__module__.startswith("diffusers"):
-            return klass.from_config(klass.load_config(folder))
-        module = klass(AutoConfig.from_pretrained(folder))
+            module = klass.from_config(klass.load_config(folder))
+            return module if dtype is None else module.to(dtype)
+        config = AutoConfig.from_pretrained(folder)
+        module = klass(config) if dtype is None else klass._from_config(config, dtype=dtype)
     module.tie_weights()  # as from_pretrained ties them (T5's embed_tokens is its shared embedding)
-    return module
-
-
-def cast_like_from_pretrained(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters and buffers to ``dtype`` as ``from_pretrained(torch_dtype=dtype)`` does,
-    keeping in fp32 the modules a transformers model names in ``_keep_in_fp32_modules_strict`` (those it keeps
-    for bf16 too; ``_keep_in_fp32_modules`` applies to fp16 only)."""
-    module.to(dtype)
     keep = list(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
     if dtype == torch.float16:
         keep += list(getattr(module, "_keep_in_fp32_modules", None) or [])
@@ -108,8 +109,7 @@ def components_on_meta(folder: Path, dtype: torch.dtype | None = None, real_buff
     out: dict[str, Any] = {}
     for name, klass in component_classes(folder).items():
         if issubclass(klass, nn.Module):
-            module = module_on_meta(klass, folder / name, real_buffers)
-            out[name] = cast_like_from_pretrained(module, dtype) if dtype is not None else module
+            out[name] = module_on_meta(klass, folder / name, real_buffers, dtype)
         elif (folder / name).is_dir():
             out[name] = klass.from_pretrained(folder / name)
         else:

@@ -65,8 +65,9 @@ class QwenImagePolicy(PipelinePolicy):
                 "mask": ((self.max_sequence_length,), torch.long)}
 
     def text_lengths(self) -> dict[str, int]:
-        """The chat template's prefix (dropped after encoding) is read too."""
-        return {"text_encoder": self.pipe.prompt_template_encode_start_idx + self.max_sequence_length}
+        """At most: the pipeline tokenizes the templated prompt up to its own limit plus the template's prefix
+        (dropped after encoding), and truncates to ``max_sequence_length`` only the embeddings."""
+        return {"text_encoder": self.pipe.tokenizer_max_length + self.pipe.prompt_template_encode_start_idx}
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, prompt: PromptEmbeds,
                  guidance: float = 1.0) -> torch.Tensor:
