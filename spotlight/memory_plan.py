@@ -126,6 +126,7 @@ class MemoryPlan:
     dtype: str
     workers: dict[str, WorkerMemory]  # by placement kind (trainer, explorer)
     fits: dict[str, tuple[Fit, ...]]  # by placement kind, one per candidate accelerator
+    peaks: dict[str, int]  # every activation peak computed, by what was run (e.g. "train step (with ...)")
     notes: tuple[str, ...] = field(default=())
 
     def dropped(self, kind: str) -> list[Fit]:
@@ -193,7 +194,7 @@ def _decode(policy: DiffusionPolicy, rows: int, tracker: LiveBytes) -> None:
         policy.decode(torch.zeros(rows, *policy.latent_shape, device=policy.device))
 
 
-def _train_step(policy: DiffusionPolicy, rows: int, guidance: float, noise_level: float, steps: int,
+def train_step(policy: DiffusionPolicy, rows: int, guidance: float, noise_level: float, steps: int,
                 checkpointing: bool, tracker: LiveBytes) -> None:
     """``step_log_prob`` of a microbatch and its backward, as ``grpo_epoch`` runs them (gradients exist).
     ``checkpointing``: what the transformer is set to (it keys the memo of :class:`_Peaks`)."""
@@ -220,9 +221,9 @@ def _reward_forward(clip: nn.Module, images: int, resolution: int, tracker: Live
         pixels = torch.zeros(images, 3, resolution, resolution)
         side = clip.config.vision_config.image_size
         pixels = nn.functional.interpolate(pixels, size=(side, side), mode="bilinear")
-        features = clip.get_image_features(pixel_values=pixels)
-        if hasattr(clip, "aesthetic_head"):
-            clip.aesthetic_head(features)
+        embeds = nn.functional.normalize(clip.visual_projection(clip.vision_model(pixel_values=pixels).pooler_output), dim=-1)
+        if hasattr(clip, "aesthetic_head"):  # as ClipImageEmbedder scores
+            clip.aesthetic_head(embeds)
 
 
 def _peak(fn, *args) -> tuple[int, dict[str, int]]:
@@ -294,17 +295,18 @@ def plan_memory(cfg: Config, ema: bool | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` for GPU workers. ``ema``: count an EMA copy of the trainable state (default:
     the config's ``grpo.ema`` when the recipe has that setting)."""
     degree, explorers = cfg.placement.sequence_parallel.degree, cfg.placement.explorer.workers > 0
-    workers, source, dtype, notes = _workers(json.dumps(cfg.recipe(), sort_keys=True), degree, explorers,
-                                             _ema_on(cfg, ema))
+    recipe = {k: v for k, v in cfg.recipe().items() if k != "run"}  # store URLs, seeds, threads: no bytes
+    workers, source, dtype, peaks, notes = _workers(json.dumps(recipe, sort_keys=True), degree, explorers,
+                                                    _ema_on(cfg, ema))
     fits = {kind: tuple(Fit(a, int(catalog.gpu_memory_gib(a) * GIB), w.need)
                         for a in getattr(cfg.placement, kind).accelerators)
             for kind, w in workers.items()}
-    return MemoryPlan(source, dtype, workers, fits, notes)
+    return MemoryPlan(source, dtype, workers, fits, dict(peaks), notes)
 
 
 @lru_cache(maxsize=16)
 def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
-             ) -> tuple[dict[str, WorkerMemory], str, str, tuple[str, ...]]:
+             ) -> tuple[dict[str, WorkerMemory], str, str, dict[str, int], tuple[str, ...]]:
     """What each worker kind holds: depends on the recipe, the sequence-parallel degree and whether there are
     explorers, not on the accelerators (so a placement change reuses it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -349,7 +351,7 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
         for checkpointing in ((True, False) if gc_setting else (False,)):
             if gc_setting:
                 core.enable_gradient_checkpointing() if checkpointing else core.disable_gradient_checkpointing()
-            peaks.run(f"train step ({'with' if checkpointing else 'without'} gradient checkpointing)", _train_step,
+            peaks.run(f"train step ({'with' if checkpointing else 'without'} gradient checkpointing)", train_step,
                       policy, gc_.microbatch_size or n_update, sc.guidance, sc.noise_level, sc.train_steps, checkpointing)
         policy.eval()
         for name, tokens in policy.text_lengths().items():
@@ -454,7 +456,7 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
     plan_notes = []
     if not ema and not hasattr(cfg.grpo, "ema"):
         plan_notes.append("no EMA counted: this config has no grpo.ema setting (plan_memory(cfg, ema=True) counts one)")
-    return workers, source, _dtype_name(dtype), tuple(plan_notes)
+    return workers, source, _dtype_name(dtype), dict(peaks), tuple(plan_notes)
 
 
 def worker_weight_bytes(cfg: Config, kind: str) -> int:
