@@ -45,8 +45,8 @@ sys.path.insert(0, str(REPO))
 from spotlight.config import Config, load_config  # noqa: E402
 from spotlight.grpo import UpdateBatch, group_advantages, grpo_epoch  # noqa: E402
 from spotlight.memory import GIB, LiveBytes, gib, profiled_peak  # noqa: E402
-from spotlight.memory_plan import (REWARD_ARCHITECTURES, train_step, plan_memory,  # noqa: E402
-                                   reward_model_on_meta)
+from spotlight.memory_plan import (FRAGMENTATION, REWARD_ARCHITECTURES, decode_batch, plan_memory,  # noqa: E402
+                                   reward_model_on_meta, rollout_forward, train_step)
 from spotlight.models.meta import model_folder, policy_on_meta  # noqa: E402
 from spotlight.models.policy import DiffusionPolicy, PromptEmbeds  # noqa: E402
 from spotlight.sampler import sample_sde_batched  # noqa: E402
@@ -225,44 +225,36 @@ def reward_models(cfg: Config, device: torch.device, reduced_dir: Path | None) -
 
 
 # -- the plan's count against the allocator's --------------------------------------------------------------
-def measured_train_step(cfg: Config, folder: Path, checkpointing: bool, dtype: torch.dtype) -> int:
-    """The CPU allocator's peak over one train step (a microbatch with CFG, forward and backward), gradients
-    already allocated as in the update."""
+def _prepare(policy: DiffusionPolicy, checkpointing: bool, train: bool) -> None:
+    policy.core.enable_gradient_checkpointing() if checkpointing else policy.core.disable_gradient_checkpointing()
+    policy.train(train)
+    if train:  # the update holds gradients from its first microbatch on
+        for p in policy.trainable_parameters():
+            p.grad = torch.zeros_like(p)
+
+
+def measured_peak(cfg: Config, folder: Path, dtype: torch.dtype, phase, args: tuple, checkpointing: bool = False,
+                  train: bool = False) -> int:
+    """The CPU allocator's own peak over one phase (its memory events in torch.profiler), random weights."""
     policy = random_weight_policy(cfg, folder, torch.device("cpu"), dtype)
-    _set_checkpointing(policy, checkpointing)
-    policy.train()
-    for p in policy.trainable_parameters():
-        p.grad = torch.zeros_like(p)
-    rows = cfg.grpo.microbatch_size or cfg.grpo.prompts_per_iteration * cfg.grpo.group_size
+    _prepare(policy, checkpointing, train)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        train_step(policy, rows, cfg.sampler.guidance, cfg.sampler.noise_level, cfg.sampler.train_steps,
-                    checkpointing, LiveBytes())
+        phase(policy, *args, LiveBytes())
     return profiled_peak(prof)
 
 
-def planned_train_step(cfg: Config, folder: Path, checkpointing: bool, dtype: torch.dtype) -> int:
-    """The plan's count of the same step: the policy on meta, fake tensors, :class:`LiveBytes` (no rounding)."""
+def planned_peak(cfg: Config, folder: Path, dtype: torch.dtype, phase, args: tuple, checkpointing: bool = False,
+                 train: bool = False) -> int:
+    """The plan's count of the same phase: the policy on meta, fake tensors, :class:`LiveBytes` (no rounding)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     policy = policy_on_meta(present_targets(cfg, folder), folder, dtype)
-    _set_checkpointing(policy, checkpointing)
-    rows = cfg.grpo.microbatch_size or cfg.grpo.prompts_per_iteration * cfg.grpo.group_size
     with FakeTensorMode(allow_non_fake_inputs=True):
         policy.to_empty(device="cpu")
-        policy.train()
-        for p in policy.trainable_parameters():
-            p.grad = torch.zeros_like(p)
+        _prepare(policy, checkpointing, train)
         with LiveBytes() as tracker:
-            train_step(policy, rows, cfg.sampler.guidance, cfg.sampler.noise_level, cfg.sampler.train_steps,
-                        checkpointing, tracker)
+            phase(policy, *args, tracker)
     return tracker.peak
-
-
-def _set_checkpointing(policy: DiffusionPolicy, on: bool) -> None:
-    if on:
-        policy.core.enable_gradient_checkpointing()
-    else:
-        policy.core.disable_gradient_checkpointing()
 
 
 def block_variants(cfg: Config) -> dict[str, dict[str, int]]:
@@ -291,38 +283,52 @@ def cpu_report(cfg: Config, args: argparse.Namespace, dtype: torch.dtype, tmp: P
           f"({', '.join(rewards) or 'none on this device'}), update of {seconds['rows']} rows {seconds['update']:.1f} s",
           flush=True)
     del policy, rewards
-    rows = cfg.grpo.microbatch_size
-    cfg_rows = 2 if cfg.sampler.guidance != 1.0 and cfg.model.kind != "flux" else 1
-    print(f"\ntrain step, microbatch {rows} rows x{cfg_rows} (CFG), activation peak in MiB: measured = the CPU "
-          "allocator's own record (torch.profiler memory events); planned = LiveBytes on fake tensors")
-    print(f"{'checkpointing':<14} {'depth':<22} {'measured':>10} {'planned':>10} {'planned/measured':>17}")
-    results: dict[tuple[bool, str], tuple[int, int]] = {}
+    sc, rows = cfg.sampler, cfg.grpo.microbatch_size
+    cfg_rows = 2 if sc.guidance != 1.0 and cfg.model.kind != "flux" else 1
+    print("\nactivation peaks in MiB: measured = the CPU allocator's own record (torch.profiler memory events), "
+          "planned = the plan's LiveBytes on fake tensors")
+    print(f"{'phase':<58} {'measured':>10} {'planned':>10} {'planned/measured':>17}")
+
+    def row(name: str, measured: int, planned: int, note: str = "") -> None:
+        print(f"{name:<58} {measured / 2**20:>10.1f} {planned / 2**20:>10.1f} {planned / measured:>17.3f}{note}",
+              flush=True)
+
+    for phase, label, phase_args in ((rollout_forward, f"rollout forward, {args.rows} seeds x{cfg_rows} (CFG)",
+                                      (args.rows, sc.guidance)),
+                                     (decode_batch, f"VAE decode, {args.rows} images", (args.rows,))):
+        row(f"{label} ({two})", measured_peak(cfg, folders[two], dtype, phase, phase_args),
+            planned_peak(cfg, folders[two], dtype, phase, phase_args))
+    step_args = (rows, sc.guidance, sc.noise_level, sc.train_steps)
     for checkpointing in (False, True):
+        results = {}
         for name, folder in folders.items():
-            measured = measured_train_step(cfg, folder, checkpointing, dtype)
-            planned = planned_train_step(cfg, folder, checkpointing, dtype)
-            results[checkpointing, name] = (measured, planned)
-            print(f"{'on' if checkpointing else 'off':<14} {name:<22} {measured / 2**20:>10.1f} {planned / 2**20:>10.1f} "
-                  f"{planned / measured:>17.3f}", flush=True)
+            results[name] = tuple(f(cfg, folder, dtype, train_step, (*step_args, checkpointing), checkpointing, True)
+                                  for f in (measured_peak, planned_peak))
+            row(f"train step {rows} rows x{cfg_rows}, checkpointing {'on' if checkpointing else 'off'} ({name})",
+                *results[name])
         base = list(folders)[0]
         for name in list(folders)[1:]:
-            kind = "single-stream block" if "2 single" in name else "block" if cfg.model.kind != "flux" else "double-stream block"
-            dm = results[checkpointing, name][0] - results[checkpointing, base][0]
-            dp = results[checkpointing, name][1] - results[checkpointing, base][1]
-            print(f"{'on' if checkpointing else 'off':<14} {'one ' + kind:<22} {dm / 2**20:>10.1f} {dp / 2**20:>10.1f} "
-                  f"{dp / dm:>17.3f}   <- per block", flush=True)
+            kind = ("single-stream block" if "2 single" in name else "double-stream block") if cfg.model.kind == "flux" \
+                else "block"
+            row(f"  one {kind}, checkpointing {'on' if checkpointing else 'off'} ({name} - {base})",
+                results[name][0] - results[base][0], results[name][1] - results[base][1], "   <- per block")
     plan = plan_memory(cfg)
     key = "train step (without gradient checkpointing)"
     print(f"\nfull depth, the plan: {key} {gib(plan.peaks[key])} GiB, with checkpointing "
           f"{gib(plan.peaks['train step (with gradient checkpointing)'])} GiB (bf16, CUDA 512-byte blocks)")
 
 
-def cuda_report(cfg: Config, args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> None:
+def full_report(cfg: Config, args: argparse.Namespace, dtype: torch.dtype, device: torch.device) -> None:
+    """Full depth (a GPU; or ``--full`` on the CPU, e.g. with a tiny pipeline as ``model.pretrained``): one
+    iteration at the config's size, its speed, and the allocator's peak beside the plan's."""
     plan = plan_memory(cfg)
     trainer = plan.workers["trainer"]
-    props = torch.cuda.get_device_properties(device)
-    print(f"# {args.config} on {props.name} ({props.total_memory / GIB:.1f} GiB), {dtype}, full depth, "
-          f"{cfg.model.resolution} px, random weights", flush=True)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where, total_memory = f"{props.name} ({props.total_memory / GIB:.1f} GiB)", props.total_memory
+    else:
+        where, total_memory = f"cpu (load average {os.getloadavg()[0]:.1f})", None
+    print(f"# {args.config} on {where}, {dtype}, full depth, {cfg.model.resolution} px, random weights", flush=True)
     started = time.perf_counter()
     policy = random_weight_policy(cfg, model_folder(cfg.model), device, dtype)
     if cfg.model.gradient_checkpointing:
@@ -331,15 +337,26 @@ def cuda_report(cfg: Config, args: argparse.Namespace, dtype: torch.dtype, devic
     planned_weights = sum(p.bytes for p in trainer.weights if not p.name.startswith("reward")
                           or any(f"reward {name} " in p.name for name in rewards))
     planned_weights += sum(p.bytes for p in trainer.training if "adapter" in p.name)
-    print(f"built in {time.perf_counter() - started:.1f} s; weights allocated "
-          f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB (plan: {gib(planned_weights)})", flush=True)
-    torch.cuda.reset_peak_memory_stats(device)
+    built = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    print(f"built in {time.perf_counter() - started:.1f} s; weights "
+          + (f"allocated {built / GIB:.2f} GiB, " if built is not None else "")
+          + f"the plan's {gib(planned_weights)} GiB", flush=True)
     prompts = args.prompts or cfg.grpo.prompts_per_iteration
     group = args.group or cfg.grpo.group_size
-    started = time.perf_counter()
-    seconds = iteration(cfg, policy, rewards, prompts, group, device)
-    total = time.perf_counter() - started
-    peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        started = time.perf_counter()
+        seconds = iteration(cfg, policy, rewards, prompts, group, device)
+        total = time.perf_counter() - started
+        peak = torch.cuda.max_memory_allocated(device)
+        reserved = torch.cuda.max_memory_reserved(device)
+    else:  # the CPU allocator has no cache: its peak above the weights, from its own record
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            started = time.perf_counter()
+            seconds = iteration(cfg, policy, rewards, prompts, group, device)
+            total = time.perf_counter() - started
+        peak = planned_weights + profiled_peak(prof)
+        reserved = peak
     print(f"s/iteration {total:.1f} (rollouts {seconds['rollouts (with decode)']:.1f}, reward {seconds['reward']:.1f}, "
           f"update {seconds['update']:.1f}, text encoding {seconds.get('text encoding', 0):.1f})")
     print(f"rollout images/s {seconds['images'] / seconds['rollouts (with decode)']:.2f}; update rows/s "
@@ -347,12 +364,13 @@ def cuda_report(cfg: Config, args: argparse.Namespace, dtype: torch.dtype, devic
     ran = [ph for ph in trainer.phases if ph.name.startswith(("update", "text")) or "(train), " in ph.name]
     worst = max(ran, key=lambda ph: ph.total)
     planned = trainer.static + worst.total
-    print(f"max_memory_allocated {peak / GIB:.2f} GiB vs the plan's {gib(planned)} GiB for the phases run here "
+    print(f"peak allocated {peak / GIB:.2f} GiB vs the plan's {gib(planned)} GiB for the phases run here "
           f"(ratio {peak / planned:.3f}; the plan's peak among them: {worst.name}); not run here: evaluation and the "
           f"reward runtime's parity batch (the plan's peak over every phase: {gib(trainer.allocated)} GiB, "
           f"{trainer.worst.name})")
-    print(f"max_memory_reserved / allocated {reserved / peak:.3f} (the plan assumes 1.10); the plan's need "
-          f"{gib(trainer.need)} GiB of {props.total_memory / GIB:.1f} GiB")
+    if total_memory is not None:
+        print(f"max_memory_reserved / allocated {reserved / peak:.3f} (the plan assumes {1 + FRAGMENTATION:.2f}); "
+              f"the plan's need {gib(trainer.need)} GiB of {total_memory / GIB:.1f} GiB")
 
 
 def main() -> None:
@@ -363,14 +381,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=None, help="prompts in the iteration (CPU default 1; CUDA: "
                         "grpo.prompts_per_iteration)")
     parser.add_argument("--group", type=int, default=None, help="rollouts per prompt (CPU default 2; CUDA: grpo.group_size)")
+    parser.add_argument("--rows", type=int, default=2, help="CPU: rollout seeds and decoded images in the "
+                        "measured inference phases")
+    parser.add_argument("--full", action="store_true", help="on the CPU too: the full-depth iteration a GPU runs (with a "
+                        "small model.pretrained: what checks this path without a GPU)")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
     torch.manual_seed(0)
-    if device.type == "cuda":
-        cuda_report(cfg, args, dtype, device)
+    if device.type == "cuda" or args.full:
+        full_report(cfg, args, dtype, device)
         return
     args.prompts, args.group = args.prompts or 1, args.group or 2
     with tempfile.TemporaryDirectory(prefix="real-scale-") as tmp:

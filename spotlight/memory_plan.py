@@ -112,12 +112,20 @@ class WorkerMemory:
 @dataclass(frozen=True)
 class Fit:
     accelerator: str
-    memory: int  # bytes per GPU, as the catalog states it
+    memory: int | None  # bytes per GPU, as the catalog states it (None: it states none; not checked)
     need: int
 
     @property
     def fits(self) -> bool:
-        return self.need <= self.memory
+        return self.memory is None or self.need <= self.memory
+
+
+def gpu_memory(accelerator: str) -> int | None:
+    """Bytes per GPU of an accelerator from the shipped catalog; None where it states none."""
+    try:
+        return int(catalog.gpu_memory_gib(accelerator) * GIB)
+    except catalog.CatalogError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -181,7 +189,7 @@ def _embeds(policy: DiffusionPolicy, rows: int) -> PromptEmbeds:
                          for k, (shape, dtype) in policy.prompt_shapes().items()})
 
 
-def _rollout_forward(policy: DiffusionPolicy, rows: int, guidance: float, tracker: LiveBytes) -> None:
+def rollout_forward(policy: DiffusionPolicy, rows: int, guidance: float, tracker: LiveBytes) -> None:
     """One guided velocity of a rollout batch (the conditional and unconditional passes share a batch)."""
     x = torch.zeros(rows, *policy.latent_shape, device=policy.device)
     uncond = _embeds(policy, rows) if policy.needs_uncond(guidance) else None
@@ -189,7 +197,7 @@ def _rollout_forward(policy: DiffusionPolicy, rows: int, guidance: float, tracke
         policy.guided_velocity(x, torch.full((rows,), 0.5), _embeds(policy, rows), uncond, guidance)
 
 
-def _decode(policy: DiffusionPolicy, rows: int, tracker: LiveBytes) -> None:
+def decode_batch(policy: DiffusionPolicy, rows: int, tracker: LiveBytes) -> None:
     with torch.no_grad():
         policy.decode(torch.zeros(rows, *policy.latent_shape, device=policy.device))
 
@@ -209,13 +217,13 @@ def train_step(policy: DiffusionPolicy, rows: int, guidance: float, noise_level:
     log_prob.mean().backward()
 
 
-def _text_encode(module: nn.Module, tokens: int, tracker: LiveBytes) -> None:
+def text_encode(module: nn.Module, tokens: int, tracker: LiveBytes) -> None:
     """A text encoder on one prompt, as the pipelines call it (all hidden states returned)."""
     with torch.no_grad():
         module(input_ids=torch.zeros(1, tokens, dtype=torch.long), output_hidden_states=True)
 
 
-def _reward_forward(clip: nn.Module, images: int, resolution: int, tracker: LiveBytes) -> None:
+def reward_forward(clip: nn.Module, images: int, resolution: int, tracker: LiveBytes) -> None:
     """The reward's image side on ``images`` decoded images: resized to CLIP's input, vision tower, projection."""
     with torch.no_grad():
         pixels = torch.zeros(images, 3, resolution, resolution)
@@ -298,8 +306,7 @@ def plan_memory(cfg: Config, ema: bool | None = None) -> MemoryPlan:
     recipe = {k: v for k, v in cfg.recipe().items() if k != "run"}  # store URLs, seeds, threads: no bytes
     workers, source, dtype, peaks, notes = _workers(json.dumps(recipe, sort_keys=True), degree, explorers,
                                                     _ema_on(cfg, ema))
-    fits = {kind: tuple(Fit(a, int(catalog.gpu_memory_gib(a) * GIB), w.need)
-                        for a in getattr(cfg.placement, kind).accelerators)
+    fits = {kind: tuple(Fit(a, gpu_memory(a), w.need) for a in getattr(cfg.placement, kind).accelerators)
             for kind, w in workers.items()}
     return MemoryPlan(source, dtype, workers, fits, dict(peaks), notes)
 
@@ -342,10 +349,10 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
         for p in trainable:
             p.grad = torch.zeros_like(p)  # the update holds gradients from its first microbatch on
         policy.eval()
-        peaks.run("rollout (update)", _rollout_forward, policy, rollout_rows, sc.guidance)
-        peaks.run("rollout (exploration)", _rollout_forward, policy, ec.seeds_per_batch, sc.guidance)
-        peaks.run("decode (update)", _decode, policy, rollout_rows)
-        peaks.run("decode (exploration)", _decode, policy, ec.seeds_per_batch)
+        peaks.run("rollout (update)", rollout_forward, policy, rollout_rows, sc.guidance)
+        peaks.run("rollout (exploration)", rollout_forward, policy, ec.seeds_per_batch, sc.guidance)
+        peaks.run("decode (update)", decode_batch, policy, rollout_rows)
+        peaks.run("decode (exploration)", decode_batch, policy, ec.seeds_per_batch)
         policy.train()
         gc_setting = hasattr(core, "enable_gradient_checkpointing")
         for checkpointing in ((True, False) if gc_setting else (False,)):
@@ -355,11 +362,11 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
                       policy, gc_.microbatch_size or n_update, sc.guidance, sc.noise_level, sc.train_steps, checkpointing)
         policy.eval()
         for name, tokens in policy.text_lengths().items():
-            peaks.run(f"text encoding ({name})", _text_encode, policy.frozen_modules()[name], tokens)
+            peaks.run(f"text encoding ({name})", text_encode, policy.frozen_modules()[name], tokens)
         for name, m in reward_models.items():
             if m is not None:
                 for rows in sorted({n_update, _bucket(n_update), _bucket(ec.seeds_per_batch), _bucket(n_eval)}):
-                    peaks.run(f"reward {name} ({rows} images)", _reward_forward, m, rows, resolution)
+                    peaks.run(f"reward {name} ({rows} images)", reward_forward, m, rows, resolution)
         for p in trainable:
             p.grad = None
 
@@ -380,7 +387,7 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
                    _tensor_part(f"update rollouts: images ({n_update})", (n_update, *image_shape), torch.float32),
                    *embeds(n_update, "update"))
 
-    def reward_phases(which: str, images: int, held: tuple[Part, ...]) -> list[Phase]:
+    def reward_phases(which: str, images: int, held: tuple[Part, ...], built: set[str]) -> list[Phase]:
         out = []
         for name in rewards[which]:
             if reward_models.get(name) is None:
@@ -388,11 +395,12 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
             chunk = _bucket(images)
             out.append(Phase(f"reward {name} ({which}), {chunk} images per call", peaks[f"reward {name} ({chunk} images)"],
                              held))
-            # the scorer checks its runtime on one batch of the update's size when it is built
-            parity = (_tensor_part(f"reward {name} parity batch ({n_update} images)", (n_update, *image_shape),
-                                   torch.float32),)
-            out.append(Phase(f"reward {name} built (parity batch of {n_update})", peaks[f"reward {name} ({n_update} images)"],
-                             parity))
+            if name not in built:  # the scorer checks its runtime on one batch of the update's size when built
+                built.add(name)
+                parity = (_tensor_part(f"reward {name} parity batch ({n_update} images)", (n_update, *image_shape),
+                                       torch.float32),)
+                out.append(Phase(f"reward {name} built (parity batch of {n_update})",
+                                 peaks[f"reward {name} ({n_update} images)"], parity))
         return out
 
     trainer_phases = [
@@ -403,9 +411,9 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
         Phase(f"evaluation sampling, {rollout_rows} per batch", peaks["rollout (update)"],
               (_tensor_part(f"evaluation images ({n_eval})", (n_eval, *image_shape), torch.float32),)),
         Phase("text encoding (one prompt)", text_peak),
-        *reward_phases("train", n_update, update_held[:2]),
+        *reward_phases("train", n_update, update_held[:2], built := set()),
         *reward_phases("eval", n_eval, (_tensor_part(f"evaluation images ({n_eval})", (n_eval, *image_shape),
-                                                     torch.float32),)),
+                                                     torch.float32),), built),
     ]
     training = list(adapter)
     if cfg.model.lora is None:
@@ -430,7 +438,7 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
               (explore_latents,)),
         Phase(f"exploration decode, {ec.seeds_per_batch}", peaks["decode (exploration)"], (explore_latents,)),
         Phase("text encoding (one prompt)", text_peak),
-        *reward_phases("train", ec.seeds_per_batch, ()),
+        *reward_phases("train", ec.seeds_per_batch, (), set()),
     ]
     explorer_notes: tuple[str, ...] = ()
     kind = "explorer"
@@ -534,6 +542,9 @@ def format_plan(plan: MemoryPlan) -> str:
             lines += [f"    {p.name:<44} {gib(p.bytes):>8}" for p in worst_held]
         lines += [f"  note: {n}" for n in w.notes]
         for f in plan.fits.get(kind, ()):
+            if f.memory is None:
+                lines.append(f"  {f.accelerator:<14} {'?':>8} GiB  kept: the catalog states no memory for it")
+                continue
             verdict = "fits" if f.fits else f"too small: short by {gib(f.need - f.memory)} GiB (dropped)"
             lines.append(f"  {f.accelerator:<14} {gib(f.memory):>8} GiB  {verdict}")
     lines += [f"note: {n}" for n in plan.notes]

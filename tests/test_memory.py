@@ -146,8 +146,11 @@ def test_plan_prints_every_worker_with_its_parts_without_weights(flux_plan):
                  "LoRA gradients (float32)", "AdamW moments (float32)", "train step (with gradient checkpointing)",
                  "train step (without gradient checkpointing)", "rollout", "fits"):
         assert text in out, text
-    trainer = flux_plan.workers["trainer"]
+    trainer, explorer = flux_plan.workers["trainer"], flux_plan.workers["explorer"]
     assert f"trainer: needs {trainer.need / 2**30:.2f} GiB" in out
+    comment = config.read_text()  # the config states the plan's figures, not estimates
+    assert f"a trainer needs {trainer.need / 2**30:.1f} GiB" in comment and f"an explorer {explorer.need / 2**30:.1f} GiB" \
+        in comment
     assert trainer.need > trainer.allocated > trainer.static > 0
     assert sum(p.bytes for p in trainer.weights) == worker_weight_bytes(load_config(config), "trainer")
 
