@@ -502,10 +502,9 @@ def fit_placement(cfg: Config, plan: MemoryPlan | None = None) -> tuple[Config, 
     for kind, fits in plan.fits.items():
         worker = plan.workers[kind]
         kept = [f.accelerator for f in fits if f.fits]
-        for f in fits:
-            if not f.fits:
-                lines.append(f"{kind}: dropped {f.accelerator} ({gib(f.memory)} GiB per GPU; the {worker.kind} needs "
-                             f"{gib(f.need)} GiB)")
+        for f in plan.dropped(kind):
+            lines.append(f"{kind}: dropped {f.accelerator} ({gib(f.memory)} GiB per GPU; the {worker.kind} needs "
+                         f"{gib(f.need)} GiB)")
         if not kept:
             problems.append(f"the {worker.kind} needs {gib(worker.need)} GiB per GPU "
                             f"({gib(worker.allocated)} GiB allocated at its peak, {worker.worst.name}), but "
