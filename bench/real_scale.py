@@ -290,8 +290,8 @@ def cpu_report(cfg: Config, args: argparse.Namespace, dtype: torch.dtype, tmp: P
     print(f"{'phase':<58} {'measured':>10} {'planned':>10} {'planned/measured':>17}")
 
     def row(name: str, measured: int, planned: int, note: str = "") -> None:
-        print(f"{name:<58} {measured / 2**20:>10.1f} {planned / 2**20:>10.1f} {planned / measured:>17.3f}{note}",
-              flush=True)
+        ratio = f"{planned / measured:.3f}" if measured else "equal (0)" if planned == measured else "inf"
+        print(f"{name:<58} {measured / 2**20:>10.1f} {planned / 2**20:>10.1f} {ratio:>17}{note}", flush=True)
 
     for phase, label, phase_args in ((rollout_forward, f"rollout forward, {args.rows} seeds x{cfg_rows} (CFG)",
                                       (args.rows, sc.guidance)),

@@ -458,9 +458,11 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
     if cfg.model.kind == "tiny-mmdit":
         source = "the config's tiny MMDiT (built in full: kilobytes)"
     else:
-        from spotlight.models.meta import model_folder
+        from spotlight.models.meta import ARCHITECTURES_DIR, model_folder
 
-        source = str(model_folder(cfg.model))
+        folder = model_folder(cfg.model)
+        repo = ARCHITECTURES_DIR.parent.parent
+        source = str(folder.relative_to(repo) if folder.is_relative_to(repo) else folder)
     plan_notes = []
     if not ema and not hasattr(cfg.grpo, "ema"):
         plan_notes.append("no EMA counted: this config has no grpo.ema setting (plan_memory(cfg, ema=True) counts one)")
