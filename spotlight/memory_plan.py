@@ -143,14 +143,14 @@ class MemoryPlan:
 
 # -- building the policy and the rewards --------------------------------------------------------------
 def plan_dtype(cfg: Config) -> torch.dtype:
-    """The weights' dtype on a GPU worker: ``model.dtype`` (auto is bf16 on CUDA)."""
-    return torch.float32 if cfg.model.dtype == "float32" else torch.bfloat16
+    """The weights' dtype on a GPU worker: ``model.dtype`` (auto is bf16 on CUDA; the tiny model is fp32 anywhere)."""
+    return torch.float32 if cfg.model.dtype == "float32" or cfg.model.kind == "tiny-mmdit" else torch.bfloat16
 
 
 def planning_policy(cfg: Config, dtype: torch.dtype) -> DiffusionPolicy:
     """The configured policy on ``meta`` (a pipeline) or as built (the tiny model: kilobytes)."""
     if cfg.model.kind == "tiny-mmdit":
-        return build_policy(cfg).to(dtype)
+        return build_policy(cfg)
     from spotlight.models.meta import policy_on_meta
 
     return policy_on_meta(cfg, dtype=dtype)
@@ -265,7 +265,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _module_parts(name: str, module: nn.Module, skip: set[int] = frozenset()) -> list[Part]:
     """A module's weights as one part, named with its dtypes (``skip``: ids of parameters counted elsewhere)."""
     by_dtype = bytes_by_dtype([t for t in module_tensors(module) if id(t) not in skip])
-    dtypes = "/".join(_dtype_name(d) for d, n in sorted(by_dtype.items(), key=lambda kv: -kv[1]) if n >= 2**20)
+    ranked = sorted(by_dtype.items(), key=lambda kv: -kv[1])  # the bulk's dtype, then any other of a MiB or more
+    dtypes = "/".join(_dtype_name(d) for i, (d, n) in enumerate(ranked) if i == 0 or n >= 2**20)
     return [Part(f"{name} ({dtypes})", sum(by_dtype.values()))]
 
 
