@@ -404,15 +404,18 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
                                  peaks[f"reward {name} ({n_update} images)"], parity))
         return out
 
+    rollouts = update_held[:2]  # the embeddings of every row are encoded after the rewards, for the steps
     trainer_phases = [
-        Phase(f"update rollout, {rollout_rows} per batch x{cfg_rows} (CFG)", peaks["rollout (update)"], update_held),
-        Phase(f"update decode, {rollout_rows} per batch", peaks["decode (update)"], update_held),
+        Phase(f"update rollout, {rollout_rows} per batch x{cfg_rows} (CFG)", peaks["rollout (update)"], rollouts),
+        Phase(f"update decode, {rollout_rows} per batch", peaks["decode (update)"], rollouts),
+        Phase("update rollouts gathered (Rollout.cat: the batches and their concatenation)", 0,
+              (*rollouts, *(Part(f"{p.name}, concatenated", p.bytes) for p in rollouts))),
         Phase(f"update {train_key}, {gc_.microbatch_size or n_update} rows x{cfg_rows} (CFG)", peaks[train_key],
               update_held),
         Phase(f"evaluation sampling, {rollout_rows} per batch", peaks["rollout (update)"],
               (_tensor_part(f"evaluation images ({n_eval})", (n_eval, *image_shape), torch.float32),)),
         Phase("text encoding (one prompt)", text_peak),
-        *reward_phases("train", n_update, update_held[:2], built := set()),
+        *reward_phases("train", n_update, rollouts, built := set()),
         *reward_phases("eval", n_eval, (_tensor_part(f"evaluation images ({n_eval})", (n_eval, *image_shape),
                                                      torch.float32),), built),
     ]
