@@ -26,6 +26,10 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
         preflight(url)  # so does a store that cannot be reached or written (one line, exit 2)
     if os.environ.get("SPOTLIGHT_LAUNCHER", "local") == "local":
         compute_device(cfg.run.device)  # so does a device this machine does not have (its workers use it)
+    else:
+        from spotlight.memory_plan import fit_placement
+
+        fit_placement(cfg)  # and a placement whose accelerators cannot hold a worker (the flow drops the others)
     check_inputs(cfg)  # and missing prompt files or reward weights
     from flows.post_train import BUDGET_CAPPED, post_train
 
@@ -40,14 +44,27 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
 @app.command()
 def plan(run_url: Optional[str] = typer.Option(
         None, "--run", help="take busy hours per iteration from this run's cost ledger"),
-         config: Optional[Path] = typer.Option(None, "--config", "-c", help="price this config's placement "
-                                               "(default: the resources in sky/trainer.yaml, sky/explorer.yaml)"),
-         overrides: list[str] = SetOpt) -> None:
-    """Cheapest spot vs on-demand offer per worker kind (SkyPilot's optimizer, shipped catalog) and $ per iteration."""
+         config: Optional[Path] = typer.Option(None, "--config", "-c", help="plan this config: the GPU memory each "
+                                               "worker kind needs, then its placement's prices (default: prices of "
+                                               "the resources in sky/trainer.yaml, sky/explorer.yaml)"),
+         overrides: list[str] = SetOpt,
+         prices: bool = typer.Option(True, "--prices/--no-prices", help="also price the placement with SkyPilot's "
+                                     "optimizer")) -> None:
+    """GPU memory per worker kind (weights, training state, activations; no weights needed), the accelerators that
+    cannot hold it dropped, then the cheapest spot vs on-demand offer per kind and $ per iteration."""
     from tasks.placement import format_plan, plan as make_plan
 
     cfg = load_config(config, overrides) if config is not None or overrides else None
-    typer.echo(format_plan(make_plan(run_url, config=cfg)))
+    if cfg is not None:
+        from spotlight.memory_plan import fit_placement, format_plan as format_memory, plan_memory
+
+        memory = plan_memory(cfg)
+        typer.echo(format_memory(memory))
+        cfg, dropped = fit_placement(cfg, memory)  # no accelerator left for a worker: exit 2, naming it
+        for line in dropped:
+            typer.echo(line)
+    if prices:
+        typer.echo(format_plan(make_plan(run_url, config=cfg)))
 
 
 __all__ = ["app", "main", "typer"]

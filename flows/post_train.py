@@ -32,6 +32,7 @@ from prefect.utilities.timeout import timeout
 
 from spotlight import budget, stages
 from spotlight.config import load_config
+from spotlight.memory_plan import fit_placement
 from spotlight.run import Run
 from tasks import stages as stage_tasks
 from tasks.artifacts import publish_iteration, publish_run
@@ -67,10 +68,14 @@ def post_train(config_path: str = "configs/tiny.yaml", run_url: str | None = Non
     started, since = time.monotonic(), time.time()
     cfg = load_config(config_path, overrides, run_url)
     launcher = launcher_from_env()
-    if cfg.placement.trainer.local_cpus and not isinstance(launcher, SkyLauncher):
+    log = get_run_logger()
+    if isinstance(launcher, SkyLauncher):  # rented GPUs: only those that hold their worker (the memory plan)
+        cfg, dropped = fit_placement(cfg)
+        for line in dropped:
+            log.info(line)
+    elif cfg.placement.trainer.local_cpus:
         os.sched_setaffinity(0, set(cfg.placement.trainer.local_cpus))  # this process mostly waits for it
     config, mode, n = cfg.model_dump(mode="json"), cfg.exploration.mode, cfg.grpo.iterations
-    log = get_run_logger()
     log.info("run %s (exploration mode %s, %d iterations)", cfg.run_url, mode, n)
     run = stage_tasks.open_run(config)  # commits the config: workers can open the run
     evaluations = set(run.eval_iterations())

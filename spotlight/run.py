@@ -1,10 +1,10 @@
 """A run: its config, its store, the cache of pretrained parts, and this process's policies and rewards.
 
 A run keeps the recipe it started with (another is refused, naming the differences; its placement may
-change between resumes, and each change is recorded). Policies are
-loaded once per process and their trainable state swapped per iteration: theta_0 is the base (the
-pretrained tiny model from the cache, or the pipeline as loaded, plus a seeded LoRA init), theta_t
-the state committed by update(t-1) — with LoRA only the adapter, never the base.
+change between resumes, and each change is recorded). A process holds one policy, loaded once, and
+swaps its trainable state per iteration and per use: theta_0 is the base (the pretrained tiny model
+from the cache, or the pipeline as loaded, plus a seeded LoRA init), theta_t the state committed by
+update(t-1) — with LoRA only the adapter, never the base.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class Run:
     progress: Progress = no_progress
     device: torch.device = torch.device("cpu")  # where this process computes (see `compute_device`)
     _rewards: dict[str, Reward] = field(default_factory=dict)
-    _inference: dict[int, DiffusionPolicy] = field(default_factory=dict)
-    _trainer: DiffusionPolicy | None = None
-    _trainer_used: bool = False
+    _policy: DiffusionPolicy | None = None  # the process's one policy: see `resident_policy`
+    _holds: int | None = None  # the theta_t whose trainable state `_policy` holds (None: being trained)
+    _states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # host copies, see `trainable_state_at`
 
     # -- keys ------------------------------------------------------------------------------
     @staticmethod
@@ -74,42 +74,64 @@ class Run:
         return build_policy(self.cfg, self.device, base_state=base)
 
     def policy_state(self, t: int) -> dict[str, torch.Tensor] | None:
-        """theta_t's trainable state; None for theta_0 (what ``build_policy`` gives)."""
+        """theta_t's trainable state as update(t-1) committed it; None for theta_0 (what ``build_policy`` gives)."""
         if t == 0:
             return None
         return self.store.load(self.key("update", t - 1)).tensors("policy.safetensors")
 
+    def resident_policy(self) -> DiffusionPolicy:
+        """The one policy of this process, built (the base loaded) the first time it is asked for.
+
+        Every theta_t this process computes with, for inference or training, is this module with theta_t's
+        trainable state swapped in (with LoRA only the adapter, a copy into the same tensors), so a process
+        holds the frozen base once, whatever it runs: update, evaluate, ranking, a joined exploration.
+        theta_0's trainable state is kept to swap back in: with LoRA the adapter's seeded init, on the host;
+        with full fine-tuning a copy of the transformer, the one extra copy a process holds (on the host,
+        or on the device as the KL reference when the update needs one)."""
+        if self._policy is None:
+            self._policy = self._build()
+            self._states[0] = {k: v.detach().to("cpu", copy=True) for k, v in self._policy.trainable_state().items()}
+            self._holds = 0
+        return self._policy
+
+    def trainable_state_at(self, t: int) -> dict[str, torch.Tensor]:
+        """theta_t's trainable state. With LoRA the two newest read from the store stay in host memory (an
+        explorer alternates between theta_{t-1} and theta_t; a few hundred MB at most), beside theta_0's."""
+        if t in self._states:
+            return self._states[t]
+        state = self.policy_state(t)
+        if self.cfg.model.lora is not None:
+            self._states[t] = state
+            newest = sorted(k for k in self._states if k > 0)[-2:]
+            self._states = {k: v for k, v in self._states.items() if k == 0 or k in newest}
+        return state
+
+    def _holding(self, t: int) -> DiffusionPolicy:
+        """The resident policy holding theta_t (its trainable state swapped in unless it holds it already)."""
+        policy = self.resident_policy()
+        if self._holds != t:
+            self._holds = None  # a failed load leaves nothing known
+            policy.load_trainable_state(self.trainable_state_at(t))
+            self._holds = t
+        return policy
+
     def policy_at(self, t: int) -> DiffusionPolicy:
-        """theta_t for inference (exploration, evaluation), kept in memory: workers explore theta_{t-1}
-        and theta_t in turn, so the two newest stay loaded. An older instance is reused for the new
-        iteration (its trainable state swapped: with LoRA only the adapter), so a worker loads the base
-        once, not once per iteration."""
-        if t not in self._inference:
-            spare = [k for k in self._inference if k < t - 1]
-            if spare:
-                policy = self._inference.pop(spare[0])
-                policy.load_trainable_state(self.policy_state(t))  # t > 0: an older instance exists
-            else:
-                policy = self._build().requires_grad_(False).eval()
-                state = self.policy_state(t)
-                if state is not None:
-                    policy.load_trainable_state(state)
-            self._inference = {k: v for k, v in self._inference.items() if k >= t - 1}
-            self._inference[t] = policy
-        return self._inference[t]
+        """theta_t for inference (exploration, evaluation, ranking): the resident policy in eval mode, holding
+        theta_t until the next ``policy_at`` or ``training_policy`` of this run swaps another state in."""
+        return self._holding(t).eval()
 
     def training_policy(self, t: int) -> DiffusionPolicy:
-        """The policy update(t) trains, at theta_t: one instance per process (the base loads once), its
-        state always read from the store, so a resumed process trains exactly what a running one would."""
-        state = self.policy_state(t)
-        if self._trainer is None or (state is None and self._trainer_used):  # theta_0 is only ever built
-            self._trainer = self._build()
-            if self.cfg.grpo.kl_beta > 0:
-                self._trainer.keep_reference()  # full fine-tuning: a frozen copy of theta_0 (LoRA: none)
-        if state is not None:
-            self._trainer.load_trainable_state(state)
-        self._trainer_used = True
-        return self._trainer
+        """The resident policy at theta_t for update(t). Its state is always what the store (or theta_0's
+        copy) says, so a resumed process trains exactly what a running one would; training then changes
+        it, so the next ``policy_at`` swaps a state in again. Full fine-tuning with a KL term freezes
+        theta_0 as the reference once (the copy of theta_0 then lives there, on the device)."""
+        policy = self._holding(t)
+        if self.cfg.grpo.kl_beta > 0 and not policy.has_reference:
+            policy.load_trainable_state(self._states[0])
+            self._states[0] = policy.keep_reference()  # theta_0's copy now lives there: no second one
+            policy.load_trainable_state(self.trainable_state_at(t))
+        self._holds = None
+        return policy
 
     # -- rewards ---------------------------------------------------------------------------
     def reward(self, name: str) -> Reward:

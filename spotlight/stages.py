@@ -255,6 +255,7 @@ def update(run: Run, t: int, key: str) -> Commit:
                             generator=generator(cfg.run.seed, "minibatches", t, epoch),
                             rank=accelerator.process_index if accelerator else 0,
                             world=accelerator.num_processes if accelerator else 1)
+    optimizer.zero_grad(set_to_none=True)  # past the last step the gradients are dead weight: free them
     policy.eval()
     if accelerator is not None:
         policy.transformer = accelerator.unwrap_model(policy.transformer)

@@ -52,6 +52,9 @@ class PipelineModelSection(_ModelCommon):
 
     kind: Literal["sd3", "flux", "qwen-image"]
     pretrained: str = Field(description="a diffusers pipeline folder: a local path or a mounted bucket")
+    architecture: str | None = Field(None, description="the published architecture this pipeline is "
+                                     "(configs/architectures/<name>, e.g. sd3.5-medium): what the memory plan reads "
+                                     "when model.pretrained is not on this machine")
     resolution: int = Field(512, ge=16, description="image height and width")
     max_sequence_length: int = Field(256, ge=1, description="text tokens (T5 / Qwen2.5-VL)")
 

@@ -63,6 +63,14 @@ class FluxPolicy(PipelinePolicy):
                                                     max_sequence_length=self.max_sequence_length)
         return {"tokens": tokens, "pooled": pooled}
 
+    def prompt_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        config = self.core.config
+        return {"tokens": ((self.max_sequence_length, config.joint_attention_dim), self.text_dtype()),
+                "pooled": ((config.pooled_projection_dim,), self.text_dtype())}
+
+    def text_lengths(self) -> dict[str, int]:
+        return {"text_encoder": self.pipe.tokenizer_max_length, "text_encoder_2": self.max_sequence_length}
+
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, prompt: PromptEmbeds,
                  guidance: float = 1.0) -> torch.Tensor:
         b, _, h, w = latents.shape

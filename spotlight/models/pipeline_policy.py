@@ -141,6 +141,13 @@ class PipelinePolicy(DiffusionPolicy):
     def text_device(self) -> torch.device:
         return next(self.frozen.pipe.text_encoder.parameters()).device
 
+    def text_dtype(self) -> torch.dtype:
+        """The dtype of the text encoders, and so of the prompt embeddings."""
+        return next(self.frozen.pipe.text_encoder.parameters()).dtype
+
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        return {name: m for name, m in self.pipe.components.items() if isinstance(m, nn.Module)}
+
     def check_resolution(self, resolution: int, multiple: int) -> int:
         """The latent side length for ``resolution`` pixels, which must be a multiple of ``multiple``."""
         if resolution % multiple:

@@ -97,6 +97,19 @@ class DiffusionPolicy(nn.Module):
         self._reference: nn.Module | None = None
         self.compute_dtype = torch.float32
 
+    # -- what the memory plan reads ----------------------------------------------------------------
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        """The frozen modules beside the transformer (text encoders, VAE), by name."""
+        return {}
+
+    def prompt_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per prompt, the shape (no batch dimension) and dtype of each tensor ``encode_prompts`` returns."""
+        raise NotImplementedError
+
+    def text_lengths(self) -> dict[str, int]:
+        """The tokens each text encoder of ``frozen_modules`` reads per prompt."""
+        return {}
+
     # -- device and precision --------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -177,10 +190,17 @@ class DiffusionPolicy(nn.Module):
             current = self.core.state_dict()
             self.core.load_state_dict({k: v.to(current[k].dtype) for k, v in state.items()}, strict=True)
 
-    def keep_reference(self) -> None:
-        """Full fine-tuning: freeze a copy of the current weights as the KL reference (LoRA needs none)."""
-        if self.lora is None:
+    @property
+    def has_reference(self) -> bool:
+        """Whether :meth:`reference` can run: LoRA always; full fine-tuning after :meth:`keep_reference`."""
+        return self.lora is not None or self._reference is not None
+
+    def keep_reference(self) -> dict[str, torch.Tensor]:
+        """Full fine-tuning: freeze a copy of the current weights as the KL reference (LoRA needs none);
+        returns the reference's state (its own tensors, not another copy)."""
+        if self.lora is None and self._reference is None:
             self._reference = copy.deepcopy(self.core).requires_grad_(False).eval()
+        return {} if self._reference is None else dict(self._reference.state_dict())
 
     @contextmanager
     def reference(self) -> Iterator["DiffusionPolicy"]:

@@ -60,6 +60,15 @@ class QwenImagePolicy(PipelinePolicy):
         pad = self.max_sequence_length - n
         return {"tokens": F.pad(tokens, (0, 0, 0, pad)), "mask": F.pad(mask.long(), (0, pad))}
 
+    def prompt_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"tokens": ((self.max_sequence_length, self.core.config.joint_attention_dim), self.text_dtype()),
+                "mask": ((self.max_sequence_length,), torch.long)}
+
+    def text_lengths(self) -> dict[str, int]:
+        """At most: the pipeline tokenizes the templated prompt up to its own limit plus the template's prefix
+        (dropped after encoding), and truncates to ``max_sequence_length`` only the embeddings."""
+        return {"text_encoder": self.pipe.tokenizer_max_length + self.pipe.prompt_template_encode_start_idx}
+
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, prompt: PromptEmbeds,
                  guidance: float = 1.0) -> torch.Tensor:
         b, _, h, w = latents.shape

@@ -53,6 +53,15 @@ class SD3Policy(PipelinePolicy):
             do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length)
         return {"tokens": tokens, "pooled": pooled}
 
+    def prompt_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        config, clip_tokens = self.core.config, self.pipe.tokenizer_max_length
+        return {"tokens": ((clip_tokens + self.max_sequence_length, config.joint_attention_dim), self.text_dtype()),
+                "pooled": ((config.pooled_projection_dim,), self.text_dtype())}
+
+    def text_lengths(self) -> dict[str, int]:
+        clip_tokens = self.pipe.tokenizer_max_length
+        return {"text_encoder": clip_tokens, "text_encoder_2": clip_tokens, "text_encoder_3": self.max_sequence_length}
+
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, prompt: PromptEmbeds,
                  guidance: float = 1.0) -> torch.Tensor:
         dtype = self.compute_dtype

@@ -90,6 +90,14 @@ class TinyMMDiT(DiffusionPolicy):
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         return self.prompt_encoder(prompts)
 
+    def frozen_modules(self) -> dict[str, nn.Module]:
+        return {"prompt_encoder": self.prompt_encoder}
+
+    def prompt_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        enc = self.prompt_encoder
+        return {"tokens": (tuple(enc.tokens.shape[1:]), enc.tokens.dtype),
+                "pooled": (tuple(enc.pooled.shape[1:]), enc.pooled.dtype)}
+
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, prompt: PromptEmbeds,
                  guidance: float = 1.0) -> torch.Tensor:
         timestep = sigma.expand(latents.shape[0]) * 1000.0

@@ -2,7 +2,8 @@
 
 A replacement process must not reload weights from storage (minutes for a 12B model from S3): it
 builds the policy's modules on the ``meta`` device from the pipeline folder's ``config.json`` files
-(kilobytes; tokenizers and the scheduler config are files too, read as they are), then receives
+(kilobytes; tokenizers and the scheduler config are files too, read as they are) with the builder the
+memory plan shares (:mod:`spotlight.models.meta`), then receives
 every tensor from a peer that holds them, over the group's process group (a broadcast: NCCL on
 GPUs, gloo here). The policy's tensors are its transformer (with the LoRA adapter when configured)
 and the pipeline's frozen modules (text encoders, VAE).
@@ -10,7 +11,6 @@ and the pipeline's frozen modules (text encoders, VAE).
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import torch
@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from spotlight.config import Config
-from spotlight.models.pipeline_policy import FrozenParts
-from spotlight.models.policy import DiffusionPolicy, check_pretrained, policy_class
+from spotlight.models.meta import policy_on_meta
+from spotlight.models.policy import DiffusionPolicy, check_pretrained
 
 
 def policy_modules(policy: DiffusionPolicy) -> dict[str, nn.Module]:
@@ -31,34 +31,9 @@ def policy_modules(policy: DiffusionPolicy) -> dict[str, nn.Module]:
 def skeleton_policy(cfg: Config) -> DiffusionPolicy:
     """The configured pipeline policy with all its tensors on ``meta``: built from the folder's configs
     (no weight file is opened), LoRA adapter attached as :func:`build_policy` attaches it."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig
-
-    index = check_pretrained(cfg.model)
-    if index is None:
+    if check_pretrained(cfg.model) is None:
         raise ValueError("a skeleton needs a diffusers pipeline model.kind (flux, qwen-image, sd3)")
-    root = Path(cfg.model.pretrained)
-    cls = policy_class(cfg.model.kind)
-    components: dict[str, object] = {}
-    for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
-            continue
-        library, class_name = spec
-        klass = getattr(importlib.import_module(library), class_name)
-        if not issubclass(klass, nn.Module):  # tokenizers, scheduler: small files, not weights
-            components[name] = klass.from_pretrained(root / name)
-            continue
-        with init_empty_weights():
-            if library == "diffusers":
-                components[name] = klass.from_config(klass.load_config(root / name))
-            else:
-                components[name] = klass(AutoConfig.from_pretrained(root / name))
-    transformer = components.pop("transformer")
-    frozen = FrozenParts(cls.pipeline_cls(transformer=None, **components))
-    policy = cls(frozen, transformer, cfg.model, cfg.sampler.shift)
-    if cfg.model.lora is not None:
-        policy.add_lora(cfg.model.lora, seed=cfg.run.seed)
-    return policy
+    return policy_on_meta(cfg, Path(cfg.model.pretrained), real_buffers=True)
 
 
 def share_weights(policy: DiffusionPolicy, src: int, receivers: list[int], device: torch.device) -> int:
