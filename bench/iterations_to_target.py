@@ -91,7 +91,7 @@ def main(variant: list[str] = typer.Option(..., help="name:override,override,...
     table = Table(title=f"iterations to a held-out reward target (mean over the seeds {seeds} that reached it; "
                         f"(k/n): only k of the n seeds reached it in {iterations} iterations)")
     for col in ("variant", "overrides", *[f"{g:.2f}" for g in goals], "final", "mean of last 5",
-                "fall in last 5 from best (worst seed)"):
+                "fall after the peak, last 5 (worst seed)"):
         table.add_column(col)
     for name, sets in parsed.items():
         cells = []
@@ -101,7 +101,8 @@ def main(variant: list[str] = typer.Option(..., help="name:override,override,...
             cells.append(cell if len(hits) == len(seed_list) else f"{cell} ({len(hits)}/{len(seed_list)})")
         final = mean([curves[(name, s)][-1] for s in seed_list])
         last5 = mean([mean(curves[(name, s)][-5:]) for s in seed_list])
-        falls = [max(curves[(name, s)]) - min(curves[(name, s)][-5:]) for s in seed_list]
+        falls = [max(max(c[: i + 1]) - c[i] for i in range(len(c) - 5, len(c)))
+                 for c in (curves[(name, s)] for s in seed_list)]
         table.add_row(name, " ".join(sets), *cells, f"{final:.3f}", f"{last5:.3f}",
                       f"{mean(falls):.4f} ({max(falls):.4f})")
     console = Console(width=200)

@@ -98,7 +98,7 @@ class GRPOSection(Section):
     adv_std: Literal["per_prompt", "global"] = Field(
         "per_prompt", description="advantages divided by each prompt group's reward std, or by the whole "
         "batch's (flow_grpo's SD3 configs: global); chosen by iterations to target, docs/exploration.md")
-    kl_beta: float = Field(0.65, ge=0, description="weight of the KL to the base, as flow_grpo's train.beta: "
+    kl_beta: float = Field(0.24, ge=0, description="weight of the KL to the base, as flow_grpo's train.beta: "
                            "per step |mean - mean_ref|^2 / (2 std_t^2), no dt (spotlight.grpo.step_kl)")
     optimizer_steps: int = Field(9, ge=1, description="optimizer steps per epoch over an iteration's trained "
                                  "(sample, timestep) rows, each on an equal share of them (flow_grpo: 2)")
