@@ -29,7 +29,6 @@ with its whole run (arithmetic and t-intervals in `bench/targets.py`).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from targets import Curve, hits, reached_summary, seed_ratio, speedups, t_interval
+
+from spotlight.store import RunStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,8 +73,9 @@ BASELINES = ("none", "none-dp2", "none-dp2-16p")  # the speed-up columns; the dp
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PREFECT_LOGGING_LEVEL="WARNING",
-                PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    """One thread per process; Prefect's ephemeral server may take minutes to start on a loaded machine."""
+    return {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **os.environ, "OMP_NUM_THREADS": "1",
+            "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 def run_mode(mode: Mode, seed: int, iterations: int, root: Path, extra: list[str]) -> Path:
@@ -93,10 +95,6 @@ def run_mode(mode: Mode, seed: int, iterations: int, root: Path, extra: list[str
                *[a for s in sets for a in ("--set", s)]]
     subprocess.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL)
     return run
-
-
-def read(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 @dataclass
@@ -140,16 +138,17 @@ def record(run: Path, iterations: int) -> RunRecord:
 
     Exploration k's worker seconds count in the iteration it ran during: k - 1 in spotlight mode
     (explore(0) in iteration 0), k in sync mode."""
-    metrics = [read(run / f"evaluations/{t:04d}/metrics.json") for t in range(1, iterations + 1)]
+    store = RunStore(f"file://{run}")  # commits are read through their manifests (attempt-unique object keys)
+    metrics = [store.load(f"evaluations/{t:04d}").json("metrics.json") for t in range(1, iterations + 1)]
     evals = [m["eval_reward"] for m in metrics]
-    timeline = [read(run / f"timeline/{t:04d}.json") for t in range(iterations)]
+    timeline = [store.get_json(f"timeline/{t:04d}.json") for t in range(iterations)]
     seconds = [x["critical_path_seconds"] for x in timeline]
     core_seconds = [x["critical_path_seconds"] * x.get("trainer_processes", 1) for x in timeline]
-    mode = read(run / "config/config.json")["exploration"]["mode"]
+    mode = store.load("config").json("config.json")["exploration"]["mode"]
     for k in range(iterations + 1):
-        stats = run / f"iterations/{k:04d}/explore/stats.json"
-        if mode != "none" and stats.exists():
-            s = read(stats)
+        explored = store.load(f"iterations/{k:04d}/explore") if store.is_committed(f"iterations/{k:04d}/explore") else None
+        if mode != "none" and explored is not None and "stats.json" in explored.manifest["objects"]:
+            s = explored.json("stats.json")
             worker = s.get("worker_rollout_seconds", s["rollout_seconds"])
             core_seconds[max(k - 1, 0) if mode == "spotlight" else min(k, iterations - 1)] += worker
     return RunRecord(evals, seconds, core_seconds, [m.get("diversity_vs_base") for m in metrics],
@@ -158,7 +157,7 @@ def record(run: Path, iterations: int) -> RunRecord:
 
 def fall_after_peak(curve: list[float], last: int = 5) -> float:
     """max over the last ``last`` points of (best so far - the point)."""
-    return max(max(curve[: i + 1]) - curve[i] for i in range(len(curve) - last, len(curve)))
+    return max(max(curve[: i + 1]) - curve[i] for i in range(max(0, len(curve) - last), len(curve)))
 
 
 def quality_goal(spotlight: list[RunRecord], baseline: list[RunRecord], iterations: int) -> str:
