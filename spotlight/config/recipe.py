@@ -74,10 +74,11 @@ class SamplerSection(Section):
 
 
 class EMASection(Section):
-    """flow_grpo's EMA of the trained weights (``flow_grpo/ema.py``): after every ``every``-th optimizer
-    step s (counted over the whole run, from 0: when (s + 1) % every == 0) the average moves towards the
-    weights by 1 - min((1 + s) / (10 + s), decay), a warm-up that lets the first updates count. flow_grpo's
-    SD3 and FLUX recipes: decay 0.9 every 8 steps (their comment: it averages the last ~160 steps)."""
+    """flow_grpo's EMA of the trained weights (``flow_grpo/ema.py``, :mod:`spotlight.ema`): after the
+    optimizer step that brings the run's count to n, when (n + 1) % every == 0, the average moves towards
+    the weights by 1 - min((1 + n) / (10 + n), decay), a warm-up that lets the first updates count.
+    flow_grpo's SD3 and FLUX recipes: decay 0.9 every 8 steps ("affects the previous 20 x 8 = 160 steps
+    on average")."""
 
     decay: float = Field(0.9, ge=0, lt=1)
     every: int = Field(8, ge=1, description="update the average every N optimizer steps")
