@@ -194,7 +194,7 @@ def iteration(cfg: Config, policy: DiffusionPolicy, rewards: dict[str, nn.Module
     policy.train()
     rows = len(texts) * cfg.trained_steps
     started = time.perf_counter()
-    grpo_epoch(policy, params, optimizer, batch, minibatch_size=min(gc.minibatch_size, rows), clip_range=gc.clip_range,
+    grpo_epoch(policy, params, optimizer, batch, optimizer_steps=gc.optimizer_steps, clip_range=gc.clip_range,
                noise_level=sc.noise_level, guidance=sc.guidance, max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta,
                microbatch_size=gc.microbatch_size, trained_steps=cfg.trained_steps, generator=generator(0, "bench"))
     sync(device)

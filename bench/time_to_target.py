@@ -29,7 +29,6 @@ with its whole run (arithmetic and t-intervals in `bench/targets.py`).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -60,7 +59,7 @@ class Mode:
 MODES = [
     Mode("none", ["exploration.mode=none"], cores=1, what="random seeds, 1 core"),
     Mode("none-dp2", [], data_parallel=2, what="random seeds, 2-rank data-parallel, same batch (2 cores)"),
-    Mode("none-dp2-16p", ["grpo.prompts_per_iteration=16", "grpo.minibatch_size=128"], data_parallel=2,
+    Mode("none-dp2-16p", ["grpo.prompts_per_iteration=16"], data_parallel=2,
          what="random seeds, 2-rank data-parallel, twice the batch: 16 prompts (2 cores)"),
     Mode("sync", ["exploration.mode=sync"], what="fresh-weight exploration on the critical path"),
     Mode("spotlight", ["exploration.mode=spotlight"], what="stale exploration, overlapped"),
@@ -74,8 +73,9 @@ BASELINES = ("none", "none-dp2", "none-dp2-16p")  # the speed-up columns; the dp
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PREFECT_LOGGING_LEVEL="WARNING",
-                PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    """One thread per process; Prefect's ephemeral server may take minutes to start on a loaded machine."""
+    return {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", **os.environ, "OMP_NUM_THREADS": "1",
+            "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 def run_mode(mode: Mode, seed: int, iterations: int, root: Path, extra: list[str]) -> Path:
@@ -95,10 +95,6 @@ def run_mode(mode: Mode, seed: int, iterations: int, root: Path, extra: list[str
                *[a for s in sets for a in ("--set", s)]]
     subprocess.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL)
     return run
-
-
-def read(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def committed(store: RunStore, name: str, obj: str) -> dict | None:
@@ -122,6 +118,12 @@ class RunRecord:
     def realism(self) -> float | None:  # of theta_n, lower is better
         return self.realisms[-1]
 
+    @property
+    def fall(self) -> float:
+        """The decline after the peak: how far the last 5 policies' held-out reward falls below the best
+        reached by then (0 for a curve that never falls; a curve still rising ends with no fall)."""
+        return fall_after_peak(self.evals)
+
     def at_first(self, target: float) -> tuple[float | None, float | None] | None:
         """Diversity and realism of the first policy that reached ``target`` (None if none did)."""
         i = next((i for i, v in enumerate(self.evals) if v >= target), None)
@@ -144,7 +146,7 @@ def record(run: Path, iterations: int) -> RunRecord:
     store = RunStore(f"file://{run}")
     metrics = [committed(store, f"evaluations/{t:04d}", "metrics.json") for t in range(1, iterations + 1)]
     evals = [m["eval_reward"] for m in metrics]
-    timeline = [read(run / f"timeline/{t:04d}.json") for t in range(iterations)]
+    timeline = [store.get_json(f"timeline/{t:04d}.json") for t in range(iterations)]
     seconds = [x["critical_path_seconds"] for x in timeline]
     core_seconds = [x["critical_path_seconds"] * x.get("trainer_processes", 1) for x in timeline]
     mode = committed(store, "config", "config.json")["exploration"]["mode"]
@@ -155,6 +157,27 @@ def record(run: Path, iterations: int) -> RunRecord:
             core_seconds[max(k - 1, 0) if mode == "spotlight" else min(k, iterations - 1)] += worker
     return RunRecord(evals, seconds, core_seconds, [m.get("diversity_vs_base") for m in metrics],
                      [m.get("realism_digits") for m in metrics])
+
+
+def fall_after_peak(curve: list[float], last: int = 5) -> float:
+    """max over the last ``last`` points of (best so far - the point)."""
+    return max(max(curve[: i + 1]) - curve[i] for i in range(max(0, len(curve) - last), len(curve)))
+
+
+def quality_goal(spotlight: list[RunRecord], baseline: list[RunRecord], iterations: int) -> str:
+    """The quality goal at the last policy (means over the seeds): held-out >= 0.98, diversity >= 0.85 of
+    the base's, realism no worse than none-dp2-16p's, and no decline after the peak (the last 5 policies
+    within 0.005 of the run's best)."""
+    reward, fall = fmean(r.evals[-1] for r in spotlight), fmean(r.fall for r in spotlight)
+    diversity = fmean(r.diversity_vs_base for r in spotlight)
+    realism, realism_base = fmean(r.realism for r in spotlight), fmean(r.realism for r in baseline)
+    checks = [(f"held-out {reward:.3f} >= 0.98", reward >= 0.98),
+              (f"diversity {diversity:.3f} >= 0.85 of the base's", diversity >= 0.85),
+              (f"realism {realism:.3f} <= none-dp2-16p's {realism_base:.3f}", realism <= realism_base),
+              (f"fall after the peak in the last 5 {fall:.4f} <= 0.005 (worst seed {max(r.fall for r in spotlight):.4f})",
+               fall <= 0.005)]
+    return f"quality goal, spotlight at theta_{iterations}: " + "; ".join(
+        f"{text} {'met' if ok else 'NOT met'}" for text, ok in checks)
 
 
 def iv(interval) -> str:
@@ -199,7 +222,8 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
                           "digits (lower is better); last: theta_n; at first >= target: the first policy that "
                           "reached it, over the seeds that did (equal reward, so a fairer comparison of quality)")
     for col in ("mode", "cores", "critical path s/it", "busy core-s/it", "held-out reward, last",
-                "diversity vs base, last", "realism, last", f"diversity, realism at first >= {quality_at}"):
+                "fall after the peak, last 5 (worst seed)", "diversity vs base, last", "realism, last",
+                f"diversity, realism at first >= {quality_at}"):
         table.add_column(col)
     for mode in chosen:
         rs = records[mode.name]
@@ -209,8 +233,11 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
         at_cell = f"{fmean(q[0] for q in at):.3f}, {fmean(q[1] for q in at):.3f} ({len(at)}/{len(rs)} seeds)" if at else "n/a"
         table.add_row(mode.name, str(mode.cores), f"{fmean(fmean(r.seconds) for r in rs):.2f}",
                       f"{fmean(fmean(r.core_seconds) for r in rs):.2f}", f"{fmean(r.evals[-1] for r in rs):.3f}",
+                      f"{fmean(r.fall for r in rs):.4f} ({max(r.fall for r in rs):.4f})",
                       fmt(fmean(div) if div else None), fmt(fmean(real) if real else None), at_cell)
     console.print(table)
+    if "spotlight" in records and "none-dp2-16p" in records:
+        console.print(quality_goal(records["spotlight"], records["none-dp2-16p"], iterations))
 
     table = Table(title=f"to a held-out reward target ({iterations} iterations at most, seeds {seeds})",
                   caption="iterations, seconds, busy core-seconds: mean [95% t-interval] over the n seeds that "

@@ -1,6 +1,7 @@
 """Checkpoint retention: which policies (and optimizer states) the run store keeps.
 
-update(s) commits theta_{s+1}: its policy (with LoRA only the adapter) and its optimizer state. A
+update(s) commits theta_{s+1}: its policy (with LoRA only the adapter), its EMA when ``grpo.ema`` is on,
+and its optimizer state. A
 long run keeps the newest ``checkpoint.keep_last`` policies — resume needs the newest with its
 optimizer state, exploration reads theta_{t-1} while update(t) writes theta_{t+1}, evaluation
 reads the newest — and every ``keep_every``-th for the record. Pruning runs only after a newer
@@ -19,15 +20,16 @@ from spotlight.config import CheckpointSection
 from spotlight.store import RunStore
 
 POLICY, OPTIMIZER = "policy.safetensors", "optimizer.safetensors"
+EMA = "ema.safetensors"  # grpo.ema's average of the weights: kept with the policy, which evaluation and export read
 LOOKBACK = 8  # iterations behind the retention window re-checked, to finish an interrupted prune
 
 
 def kept_objects(cfg: CheckpointSection, s: int, newest: int) -> set[str]:
     """What update(s)'s commit keeps once update(newest) is committed."""
     if cfg.keep_last is None or s == newest:
-        return {POLICY, OPTIMIZER}
+        return {POLICY, EMA, OPTIMIZER}
     keep_policy = s > newest - cfg.keep_last or (cfg.keep_every is not None and (s + 1) % cfg.keep_every == 0)
-    return {POLICY} if keep_policy else set()
+    return {POLICY, EMA} if keep_policy else set()
 
 
 def prune(store: RunStore, cfg: CheckpointSection, newest: int, key: Callable[[str, int], str]) -> list[str]:
@@ -42,7 +44,7 @@ def prune(store: RunStore, cfg: CheckpointSection, newest: int, key: Callable[[s
         if not store.is_committed(name):
             continue
         commit = store.load(name)
-        drop = sorted({POLICY, OPTIMIZER} - kept_objects(cfg, s, newest))
+        drop = sorted({POLICY, EMA, OPTIMIZER} - kept_objects(cfg, s, newest))
         present = [obj for obj in drop if obj in commit.manifest["objects"] and store.exists(commit.key(obj))]
         if not present:
             continue

@@ -1,5 +1,8 @@
 """``spotlight export``: a run's policy theta_N in the form diffusers users load, with a model card.
 
+With ``grpo.ema`` on, the export is theta_N's EMA (the average of the weights, which evaluation scored
+too), as flow_grpo saves its EMA weights.
+
 LoRA runs give ``pytorch_lora_weights.safetensors`` (``pipe.load_lora_weights(out)``); full
 fine-tunes give ``transformer/`` (``<Transformer>.from_pretrained(out / "transformer")``). The
 model card (``README.md``) names the base, the run, the iteration, the held-out rewards of every
@@ -13,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from spotlight.config import ConfigError
+from spotlight.ema import ema_state, weights_swapped
 from spotlight.models.export import export_full, export_lora
 from spotlight.run import Run
 
@@ -27,14 +31,18 @@ def export_policy(run: Run, iteration: int, out: Path) -> list[Path]:
         raise ConfigError(f"iteration {iteration} is not a committed policy of {run.store.url}: "
                           f"theta_0..theta_{done} exist ({done} updates committed)")
     out.mkdir(parents=True, exist_ok=True)
-    state = run.policy_state(iteration)  # a pruned checkpoint fails here, naming the retention settings
+    # grpo.ema: the average (what evaluation scored, what flow_grpo saves). A pruned checkpoint fails
+    # here, naming the retention settings.
+    average = ema_state(run, iteration)
+    state = average if average is not None else run.policy_state(iteration)
     if cfg.model.lora is not None:
         if state is None:
             state = run.policy_at(0).trainable_state()
         kind = cfg.model.kind if cfg.model.kind != "tiny-mmdit" else "sd3"  # the tiny model is an SD3 transformer
         written = [export_lora(kind, state, out, cfg.model.lora) / "pytorch_lora_weights.safetensors"]
     else:
-        written = [export_full(run.policy_at(iteration).core, out)]
+        with weights_swapped(run.policy_at(iteration), average) as policy:
+            written = [export_full(policy.core, out)]
     card = out / CARD
     card.write_text(model_card(run, iteration))
     return [*written, card]
@@ -55,6 +63,9 @@ def model_card(run: Run, iteration: int) -> str:
         load = ("```python\ntransformer = <Transformer>.from_pretrained(THIS_FOLDER / 'transformer')\n"
                 "pipe = <Pipeline>.from_pretrained(BASE, transformer=transformer)\n```")
         what = "a fully fine-tuned transformer"
+    if cfg.grpo.ema is not None:
+        what += (f": the exponential moving average of the trained weights (decay {cfg.grpo.ema.decay:g}, "
+                 f"updated every {cfg.grpo.ema.every} optimizer steps), which the held-out rewards below scored")
     front = yaml.safe_dump({"library_name": "diffusers", "base_model": str(base),
                             "tags": ["flow-grpo", "spotlight", cfg.model.kind]}, sort_keys=False)
     return f"""---

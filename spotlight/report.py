@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from spotlight.cost import by_iteration, by_stage, cost_until, ledger  # noqa: E402
 from spotlight.run import Run  # noqa: E402
 from spotlight.store import RunStore, png_bytes  # noqa: E402
+
+
+FIGURE_DPI = 100
 
 
 @dataclass
@@ -79,6 +84,37 @@ def _grid_image(grid: np.ndarray) -> Image.Image:
     return image.resize((image.width * scale, image.height * scale), Image.NEAREST)
 
 
+def before_after_figure(first: np.ndarray, last: np.ndarray, prompts: list[str], titles: tuple[str, str]) -> Figure:
+    """Two sample grids ([rows, seeds, C, H, W] uint8, same seeds) side by side, each under its title
+    (theta_0 and theta_N with their held-out rewards) and each row beside its prompt (wrapped), so the
+    picture reads without the config. Sized in pixels so that tiles keep theirs (:func:`figure_image`)."""
+    left, right = _grid_image(first), _grid_image(last)
+    rows, h = first.shape[0], first.shape[3]
+    pitch = (h + 1) * max(1, 64 // h)  # a row's height in _grid_image's output
+    label, header, gap = 240, 34, 14
+    width, height = label + 2 * left.width + gap, header + left.height
+    fig = plt.figure(figsize=(width / FIGURE_DPI, height / FIGURE_DPI), dpi=FIGURE_DPI, facecolor="white")
+    gray = "gray" if left.mode == "L" else None
+    for x, grid, title in ((label, left, titles[0]), (label + left.width + gap, right, titles[1])):
+        ax = fig.add_axes((x / width, 0, grid.width / width, grid.height / height))
+        ax.imshow(np.asarray(grid), cmap=gray, vmin=0, vmax=255, interpolation="nearest")
+        ax.set_axis_off()
+        fig.text((x + grid.width / 2) / width, 1 - header / 2 / height, title, ha="center", va="center", fontsize=10)
+    for r, prompt in enumerate(prompts[:rows]):
+        lines = textwrap.wrap(prompt, 34, max_lines=4, placeholder=" ...") or ['""']
+        y = left.height - (1 + r * pitch + pitch / 2)
+        fig.text((label - 8) / width, y / height, "\n".join(lines), ha="right", va="center", fontsize=7.5)
+    return fig
+
+
+def figure_image(fig: Figure) -> Image.Image:
+    """A figure rendered at its own size and dpi (``png_bytes`` of a figure re-renders at 120 dpi)."""
+    fig.canvas.draw()
+    image = Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy())
+    plt.close(fig)
+    return image
+
+
 def to_target(store: RunStore, evals: list[dict], entries: list[dict], target: float) -> dict | None:
     """Cost and time until the first evaluated policy with held-out reward >= target: every ledger entry
     recorded by the time that evaluation was committed (attempts, failed ones included, and the workers'
@@ -134,11 +170,14 @@ def write_report(run: Run, target: float | None = None) -> Summary:
     store.write_bytes("report/reward_curve.png", png_bytes(fig))
     plt.close(fig)
     if evals:
-        first = store.load(f"evaluations/{evals[0]['iteration']:04d}").tensors("samples.safetensors")["grid"]
-        last = store.load(f"evaluations/{evals[-1]['iteration']:04d}").tensors("samples.safetensors")["grid"]
-        gutter = np.full((first.shape[0], 1, *first.shape[2:]), 255, dtype=np.uint8)
-        both = np.concatenate([first.numpy(), gutter, last.numpy()], axis=1)
-        store.write_bytes("report/samples_before_after.png", png_bytes(_grid_image(both)))
+        first, last = evals[0], evals[-1]
+        grids = [store.load(f"evaluations/{m['iteration']:04d}").tensors("samples.safetensors")["grid"].numpy()
+                 for m in (first, last)]
+        weights = " (EMA)" if last.get("weights") == "ema" else ""
+        titles = (f"theta_{first['iteration']}: held-out {first['eval_reward']:.3f}",
+                  f"theta_{last['iteration']}{weights}: held-out {last['eval_reward']:.3f}")
+        figure = before_after_figure(*grids, last.get("prompts", []), titles)
+        store.write_bytes("report/samples_before_after.png", png_bytes(figure_image(figure)))
     rankings = committed_metrics(store, "iterations", "ranking")
     entries = ledger(store)
     summary = Summary(

@@ -31,7 +31,8 @@ def encode_conditioning(policy: Policy, prompts: Sequence[str], guidance: float,
 @dataclass
 class SDEStep:
     mean: torch.Tensor  # [B, *latent_shape]
-    std: torch.Tensor  # [B, 1, ...]: std of x_prev given x
+    std: torch.Tensor  # [B, 1, ...]: std of x_prev given x, std_t * sqrt(|dt|)
+    std_t: torch.Tensor  # [B, 1, ...]: the SDE's diffusion coefficient at sigma (flow_grpo's std_dev_t)
 
     def log_prob(self, x_prev: torch.Tensor) -> torch.Tensor:
         """Exact Gaussian log-density of ``x_prev`` (fp32), averaged over latent dimensions: [B]."""
@@ -47,7 +48,7 @@ def sde_step(v: torch.Tensor, x: torch.Tensor, step_idx: torch.Tensor, sigmas: t
     dt = sigma_prev - sigma
     std_t = torch.sqrt(sigma / (1 - torch.where(sigma >= 1.0, sigmas[1], sigma))) * noise_level
     mean = x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
-    return SDEStep(mean=mean, std=std_t * torch.sqrt(-dt))
+    return SDEStep(mean=mean, std=std_t * torch.sqrt(-dt), std_t=std_t)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 
 from spotlight import checkpoints, exploration
+from spotlight.ema import WeightsEMA, ema_state, weights_swapped
 from spotlight.filter import keep_most_informative
 from spotlight.grpo import UpdateBatch, group_advantages, grpo_epoch
 from spotlight.planner import PlannerState, plan_exploration
@@ -225,9 +226,13 @@ def update(run: Run, t: int, key: str) -> Commit:
     torch.manual_seed(derive_seed(cfg.run.seed, "update", t))  # LoRA dropout and the like: same on every resume
     policy = run.training_policy(t)
     params = policy.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=gc.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=gc.lr, weight_decay=gc.weight_decay)
     if t > 0:
         load_optimizer_tensors(optimizer, run.store.load(run.key("update", t - 1)).tensors("optimizer.safetensors"))
+    ema = None
+    if gc.ema is not None:  # the average of theta_0..theta_t's steps so far (of theta_0: itself)
+        ema = WeightsEMA(gc.ema, ema_state(run, t) or policy.trainable_state(),
+                         steps_done=t * gc.epochs * gc.optimizer_steps)
     prompts = [p for p, seeds in zip(chosen["prompts"], chosen["seeds"]) for _ in seeds]
     seeds = [s for group in chosen["seeds"] for s in group]
     # Under `accelerate launch` / torchrun (sky/update.yaml, several GPUs or nodes; bench's data-parallel
@@ -248,13 +253,14 @@ def update(run: Run, t: int, key: str) -> Commit:
     policy.train()
     stats: list[dict[str, float]] = []
     for epoch in range(gc.epochs):
-        stats += grpo_epoch(policy, params, optimizer, batch, minibatch_size=gc.minibatch_size,
+        stats += grpo_epoch(policy, params, optimizer, batch, optimizer_steps=gc.optimizer_steps,
                             clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
                             max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, microbatch_size=gc.microbatch_size,
                             trained_steps=cfg.trained_steps,
                             generator=generator(cfg.run.seed, "minibatches", t, epoch),
                             rank=accelerator.process_index if accelerator else 0,
-                            world=accelerator.num_processes if accelerator else 1)
+                            world=accelerator.num_processes if accelerator else 1,
+                            after_step=functools.partial(ema.step, policy) if ema is not None else None)
     optimizer.zero_grad(set_to_none=True)  # past the last step the gradients are dead weight: free them
     policy.eval()
     if accelerator is not None:
@@ -280,6 +286,7 @@ def update(run: Run, t: int, key: str) -> Commit:
         "clip_frac": sum(s["clip_frac"] for s in stats) / len(stats),
         "approx_kl": sum(s["approx_kl"] for s in stats) / len(stats),
         "optimizer_steps": len(stats),
+        "rows_per_step": [s["minibatch_rows"] for s in stats],
         "data_parallel_processes": accelerator.num_processes if accelerator else 1,
         "rollout_shards": shards,  # processes that shared the rollouts
         "seconds": time.perf_counter() - started,
@@ -290,6 +297,8 @@ def update(run: Run, t: int, key: str) -> Commit:
         "rewards.safetensors": tensors_to_bytes({"rewards": rewards, "advantages": advantages}),
         "metrics.json": json_bytes(metrics),
     }
+    if ema is not None:
+        objects[checkpoints.EMA] = tensors_to_bytes(ema.average)
     commit = run.store.commit(key, objects, {"iteration": t})
     checkpoints.prune(run.store, cfg.checkpoint, t, run.key)  # only now that theta_{t+1} is complete
     if accelerator is not None:
@@ -319,22 +328,24 @@ def evaluation_key(run: Run, t: int) -> str:
 
 @committed_stage(evaluation_key)
 def evaluate(run: Run, t: int, key: str) -> Commit:
-    """ODE samples of theta_t on the fixed evaluation prompts and seeds, scored by the held-out and training
-    rewards, and by what the rewards do not see (:mod:`spotlight.quality`): within-prompt diversity
-    (also relative to theta_0's) and, for digits, realism."""
+    """ODE samples of theta_t (its EMA when ``grpo.ema`` is on, as flow_grpo evaluates) on the fixed
+    evaluation prompts and seeds, scored by the held-out and training rewards, and by what the rewards do
+    not see (:mod:`spotlight.quality`): within-prompt diversity (also relative to theta_0's) and, for
+    digits, realism."""
     sc = run.cfg.sampler
     base = evaluate(run, 0).json("metrics.json") if t > 0 else None  # the reference of diversity_vs_base
-    policy = run.policy_at(t)
     prompts, seeds = evaluation_prompts(run.cfg)
-    images = sample_ode_batched(policy, prompts, seeds, sc.batch_size, steps=sc.eval_steps, guidance=sc.guidance,
-                                negative_prompt=sc.negative_prompt)
+    with weights_swapped(run.policy_at(t), ema_state(run, t)) as policy:  # grpo.ema: theta_t's average
+        images = sample_ode_batched(policy, prompts, seeds, sc.batch_size, steps=sc.eval_steps, guidance=sc.guidance,
+                                    negative_prompt=sc.negative_prompt)
     held_out = run.weighted_reward("eval")(images, prompts)
     train = run.weighted_reward("train")(images, prompts)
     n_prompts = len(prompts) // run.cfg.evaluation.seeds_per_prompt
     quality = quality_metrics(images, n_prompts, digit_images=run.cfg.model.kind == "tiny-mmdit")
     diversity_vs_base = (quality["diversity"] / base["diversity"] if base and base.get("diversity") else
                          1.0 if quality["diversity"] is not None else None)
-    metrics = {"iteration": t, "eval_reward": held_out.mean().item(), "train_reward_on_eval": train.mean().item(),
+    metrics = {"iteration": t, "weights": "ema" if run.cfg.grpo.ema is not None else "live",
+               "eval_reward": held_out.mean().item(), "train_reward_on_eval": train.mean().item(),
                "eval_reward_per_prompt": held_out.view(n_prompts, -1).mean(dim=1).tolist(),
                "prompts": list(dict.fromkeys(prompts)), **quality, "diversity_vs_base": diversity_vs_base}
     return run.store.commit(key, {"metrics.json": json_bytes(metrics),

@@ -15,7 +15,7 @@ SPOTLIGHT = str(Path(sys.executable).with_name("spotlight"))
 # Small enough for seconds per iteration on one core, big enough that RL does real work.
 SMALL = [
     "pretrain.steps=60", "pretrain.commit_every=20", "pretrain.classifier_steps=60",
-    "grpo.iterations=3", "grpo.prompts_per_iteration=4", "grpo.group_size=4", "grpo.minibatch_size=32",
+    "grpo.iterations=3", "grpo.prompts_per_iteration=4", "grpo.group_size=4", "grpo.optimizer_steps=3",
     "evaluation.every=2", "evaluation.seeds_per_prompt=2", "sampler.train_steps=6", "sampler.eval_steps=6",
     "exploration.mode=none",
 ]

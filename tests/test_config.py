@@ -37,11 +37,36 @@ def test_default_config_file_matches_defaults():
                                                "the shipped catalog has no on-demand price for A10:1"),
     ("placement.explorer.accelerators=[B200:1]", "placement.explorer: Value error, accelerator B200:1 cannot be "
                                                  "priced: the shipped catalog has no spot price for B200:1"),
+    ("grpo.minibatch_size=64", "grpo.minibatch_size is now grpo.optimizer_steps"),
+    ("grpo.optimizer_steps=577", "grpo.optimizer_steps (577) exceeds the rows an iteration trains: 576 "
+                                 "(prompts_per_iteration 8 x group_size 8 x 9 trained steps)"),
 ])
 def test_bad_values_are_named(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(REPO / "configs/tiny.yaml", [override])
     assert needle in str(err.value)
+
+
+REAL = {"sd3": "sd35m-pickscore.yaml", "flux": "flux-dev-ocr.yaml", "qwen-image": "qwen-image-pickscore.yaml"}
+
+
+@pytest.mark.parametrize("kind", REAL)
+def test_real_configs_take_flow_grpos_recipe(kind):
+    """Where a flow_grpo user looks (config/grpo.py, scripts/train_sd3.py, train_flux.py): AdamW weight
+    decay 1e-4, two optimizer steps per iteration over the rows actually trained (timestep_fraction 0.99),
+    each an equal share; EMA 0.9 every 8 steps for SD3 and FLUX (their train.ema; Qwen-Image's is off);
+    the VAE in fp32; Qwen-Image's 512 text tokens and LoRA on its MLP projections too."""
+    cfg = load_config(REPO / "configs" / REAL[kind])
+    gc = cfg.grpo
+    assert gc.weight_decay == 1e-4 and gc.optimizer_steps == 2 and cfg.model.vae_fp32
+    rows = gc.prompts_per_iteration * gc.group_size * cfg.trained_steps
+    assert cfg.trained_steps == int(cfg.sampler.train_steps * 0.99) and rows % gc.optimizer_steps == 0
+    if kind == "qwen-image":
+        assert gc.ema is None and cfg.model.max_sequence_length == 512
+        assert {"img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"} <= \
+            set(cfg.model.lora.target_modules)
+    else:
+        assert (gc.ema.decay, gc.ema.every) == (0.9, 8)
 
 
 def test_a_mapping_given_whole_replaces_the_files_and_a_dotted_key_sets_one_entry(tmp_path):

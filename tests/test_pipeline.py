@@ -57,6 +57,28 @@ def test_run_writes_report_and_resumes_without_recomputing(small_run: SmallRun):
     assert store.load(FINAL).json("metrics.json")["first_log_ratio"] < 1e-4
 
 
+def test_before_after_grid_names_its_columns_and_rows():
+    """The report's sample grid reads without the config: each column under theta_0 / theta_N and its
+    held-out reward, each row beside its prompt, wrapped; the tiles keep their pixels."""
+    import numpy as np
+
+    from spotlight.report import _grid_image, before_after_figure, figure_image
+
+    rng = np.random.default_rng(0)
+    first, last = (rng.integers(0, 256, (3, 8, 3, 32, 32), dtype=np.uint8) for _ in range(2))
+    long = "a photograph of an astronaut riding a horse on the moon, highly detailed, cinematic lighting"
+    fig = before_after_figure(first, last, [long, "a cup of tea", "a yellow bird"],
+                              ("theta_0: held-out 0.857", "theta_20 (EMA): held-out 0.995"))
+    texts = [t.get_text() for t in fig.texts]
+    assert texts[:2] == ["theta_0: held-out 0.857", "theta_20 (EMA): held-out 0.995"]
+    assert texts[2].replace("\n", " ") == long and texts[2].count("\n") >= 2  # wrapped, not cut
+    assert texts[3:] == ["a cup of tea", "a yellow bird"]
+    image = np.asarray(figure_image(fig))
+    grid = np.asarray(_grid_image(first))
+    top = image.shape[0] - grid.shape[0]
+    assert any(np.array_equal(image[top:, x:x + grid.shape[1]], grid) for x in range(image.shape[1] - grid.shape[1]))
+
+
 def _policy_bytes(run: Path) -> bytes:
     commit = RunStore(f"file://{run}").load(FINAL)
     return commit.read("policy.safetensors") + commit.read("optimizer.safetensors")

@@ -153,7 +153,7 @@ def test_sde_log_probs_and_one_grpo_step(kind, folders):
     params = policy.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     batch = UpdateBatch(rollout=rollout, cond=cond, uncond=uncond, advantages=torch.tensor([1.0, -1.0]), sigmas=sigmas)
-    stats = grpo_epoch(policy, params, optimizer, batch, minibatch_size=3, clip_range=0.2, noise_level=noise,
+    stats = grpo_epoch(policy, params, optimizer, batch, optimizer_steps=2, clip_range=0.2, noise_level=noise,
                        guidance=g, max_grad_norm=1.0, kl_beta=0.1,
                        generator=torch.Generator().manual_seed(0))
     assert stats[0]["max_abs_log_ratio"] <= 1e-6  # first ratio == 1: sampling and training see one policy
@@ -167,6 +167,61 @@ def test_sde_log_probs_and_one_grpo_step(kind, folders):
         with policy.reference() as ref:
             assert torch.equal(ref.velocity(x, sigma, cond, g), v_base)  # adapters off: the base, bit for bit
         assert not torch.allclose(policy.velocity(x, sigma, cond, g), v_base)
+
+
+def flow_grpo_kl(policy, rollout, cond, uncond, sigmas, noise_level: float, guidance: float) -> torch.Tensor:
+    """flow_grpo's KL loss over every (sample, step) of ``rollout``, written out as scripts/train_sd3.py and
+    sde_step_with_logprob compute it: per step, CFG velocities of the policy and of the reference (the
+    adapter disabled), each step's mean from its own velocity, then
+    ``((prev_sample_mean - prev_sample_mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * std_dev_t ** 2)``,
+    averaged."""
+    def cfg_velocity(x, sigma):
+        v_text = policy.velocity(x, sigma, cond)
+        v_uncond = policy.velocity(x, sigma, uncond)
+        return v_uncond + guidance * (v_text - v_uncond)
+
+    sigma_max = sigmas[1].item()
+    losses = []
+    with torch.no_grad():
+        for j in range(rollout.latents.shape[1] - 1):
+            sample = rollout.latents[:, j].float()
+            sigma = sigmas[j].expand(len(sample)).view(-1, 1, 1, 1)
+            sigma_prev = sigmas[j + 1].expand(len(sample)).view(-1, 1, 1, 1)
+            dt = sigma_prev - sigma
+            std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
+            means = []
+            for reference in (False, True):
+                if reference:
+                    policy.core.disable_adapters()
+                model_output = cfg_velocity(sample, sigmas[j].expand(len(sample))).float()
+                if reference:
+                    policy.core.enable_adapters()
+                means.append(sample * (1 + std_dev_t**2 / (2 * sigma) * dt)
+                             + model_output * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt)
+            prev_sample_mean, prev_sample_mean_ref = means
+            kl_loss = ((prev_sample_mean - prev_sample_mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) \
+                / (2 * std_dev_t**2)
+            losses.append(torch.mean(kl_loss))
+    return torch.stack(losses).mean()  # every step has the same number of rows: the mean over all rows
+
+
+def test_kl_is_flow_grpos_formula_on_a_tiny_sd3_rollout(folders):
+    """``grpo.kl_beta`` means what flow_grpo's train.beta means: our ``kl_ref`` (the KL of one optimizer
+    step over every row, learning rate 0) equals flow_grpo's KL loss written out above, to 1e-6."""
+    policy = build_policy(make_cfg("sd3", folders["sd3"]), "cpu")
+    perturb_lora(policy, scale=0.05)  # the adapter moved: the KL to the base is not 0
+    g, steps, noise = GUIDANCE["sd3"], 4, 0.7
+    rollout = sample_sde(policy, PROMPTS, SEEDS, steps, noise, guidance=g)
+    cond, uncond = encode_conditioning(policy, PROMPTS, g)
+    sigmas = policy.sigmas(steps)
+    params = policy.trainable_parameters()
+    batch = UpdateBatch(rollout=rollout, cond=cond, uncond=uncond, advantages=torch.tensor([1.0, -1.0]), sigmas=sigmas)
+    [stats] = grpo_epoch(policy, params, torch.optim.SGD(params, lr=0.0), batch, optimizer_steps=1, clip_range=0.2,
+                         noise_level=noise, guidance=g, max_grad_norm=1.0, kl_beta=0.01,
+                         generator=torch.Generator().manual_seed(0))
+    theirs = flow_grpo_kl(policy, rollout, cond, uncond, sigmas, noise, g).item()
+    assert theirs > 1e-4, "the check is not vacuous"
+    assert abs(stats["kl_ref"] - theirs) <= 1e-6
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -302,6 +357,24 @@ def test_missing_lora_target_fails_before_loading_weights(kind, folders, tmp_pat
     with pytest.raises(ConfigError, match=rf"model.lora.target_modules: \['not_a_module'\] match no module of the "
                                           rf"{transformer} in {broken}/transformer"):
         build_policy(make_cfg(kind, broken, lora=lora), "cpu")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vae_decodes_in_fp32_under_bf16_weights(kind, folders):
+    """``model.vae_fp32`` (default, flow_grpo's): with bf16 weights the VAE stays fp32, so the images the
+    rewards score are those of an all-fp32 decode, bit for bit; off, it decodes in bf16."""
+    def policy(dtype: str, vae_fp32: bool):
+        return build_policy(config_from_dict({"model": {"kind": kind, "pretrained": str(folders[kind]),
+                                                        "resolution": 32, "max_sequence_length": 32, "dtype": dtype,
+                                                        "vae_fp32": vae_fp32}}), "cpu")
+    full, bf16 = policy("bfloat16", True), policy("bfloat16", False)
+    assert full.compute_dtype == torch.bfloat16 and full.pipe.vae.dtype == torch.float32
+    assert bf16.pipe.vae.dtype == torch.bfloat16 and full.pipe.text_encoder.dtype == torch.bfloat16
+    latents = initial_latents(full)
+    with torch.no_grad():
+        images = full.decode(latents)
+        assert torch.equal(images, policy("float32", True).decode(latents))
+        assert (bf16.decode(latents) - images).abs().max() > 1e-4  # what the fp32 decode is for
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -6,7 +6,9 @@ Each runs a complete 2-iteration spotlight run through the CLI and the Prefect f
 a worker process, filter, LoRA update with guidance > 1 (true CFG for SD3 and Qwen-Image, FLUX-dev's
 guidance embedding), evaluation, then ``spotlight export``, whose LoRA loaded into the diffusers
 pipeline samples what the policy samples. The SD3 run is also killed with -9 at random points and
-resumed: the final adapter and optimizer state are bit-identical to the undisturbed run.
+resumed: the final adapter, its EMA and the optimizer state are bit-identical to the undisturbed run.
+The SD3 and FLUX configs keep flow_grpo's EMA of the adapter (updated every step here, not every 8, so
+that 4 optimizer steps move it): evaluation scores it and export writes it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spotlight.ema import ema_state
 from spotlight.models.export import pipeline_class
 from spotlight.models.tiny_clip import build_tiny_clip
 from spotlight.models.tiny_pipelines import build_tiny_pipeline
@@ -39,7 +42,7 @@ FINAL = "iterations/0001/update"
 SHRINK = [  # the shipped configs at toy size, on one core
     "run.threads=1", "model.resolution=32", "model.max_sequence_length=16", "model.lora.rank=4",
     "model.lora.alpha=8", "sampler.train_steps=4", "sampler.eval_steps=4", "sampler.batch_size=8",
-    "grpo.iterations=2", "grpo.prompts_per_iteration=2", "grpo.group_size=4", "grpo.minibatch_size=16",
+    "grpo.iterations=2", "grpo.prompts_per_iteration=2", "grpo.group_size=4", "grpo.optimizer_steps=2",
     "grpo.microbatch_size=8", "exploration.candidates_per_prompt=8", "exploration.max_candidates_per_prompt=16",
     "exploration.seeds_per_batch=4", "exploration.extra_prompts=1", "placement.explorer.workers=1",
     "placement.lease_seconds=30", "placement.stall_seconds=120", "exploration.ranking_every=0",
@@ -92,6 +95,8 @@ def parts(tmp_path_factory) -> dict[str, Path | str]:
 def overrides(kind: str, parts: dict, run: Path) -> list[str]:
     sets = [*SHRINK, f"model.pretrained={parts[kind]}", f"data.prompts={parts['prompts']}", f"run.url=file://{run}",
             f"run.cache_url=file://{parts['cache']}"]
+    if kind != "qwen-image":
+        sets.append("grpo.ema.every=1")
     if kind == "flux":
         sets.append(f"rewards.remote.ocr.url={parts['ocr']}")
     else:
@@ -129,6 +134,7 @@ def test_spotlight_run_explores_trains_a_lora_with_guidance_and_evaluates(kind, 
     assert any(name.startswith("local-explorer-") for name in store.list("workers")), "an explorer process ran"
     evals = [store.load(f"evaluations/{t:04d}").json("metrics.json") for t in range(3)]
     assert [e["prompts"] for e in evals] == [TEST] * 3
+    assert evals[2]["weights"] == ("live" if kind == "qwen-image" else "ema")
     assert evals[0]["eval_reward"] != evals[2]["eval_reward"], "the policy moved"
 
 
@@ -141,6 +147,12 @@ def test_the_store_commits_only_the_adapter(kind, runs):
     adapter_bytes = sum(p.numel() for p in adapter) * 4
     assert policy and all(".lora_A." in k or ".lora_B." in k for k in policy)
     assert sum(t.numel() * t.element_size() for t in policy.values()) == adapter_bytes
+    if kind == "qwen-image":  # flow_grpo's targets: both streams' MLP projections too
+        for target in ("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"):
+            assert any(f".{target}.lora_A." in k for k in policy), target
+    else:  # the EMA is an adapter too: same keys and bytes
+        ema = bytes_to_tensors(commit.read("ema.safetensors"))
+        assert ema.keys() == policy.keys() and any(not torch.equal(ema[k], policy[k]) for k in ema)
     header = 16 * 1024  # safetensors' JSON header: names, shapes, offsets
     assert commit.manifest["objects"]["policy.safetensors"]["size"] < adapter_bytes + header
     # AdamW keeps two moments per adapter parameter: the optimizer state is the adapter's size twice
@@ -157,6 +169,8 @@ def test_export_loads_into_the_pipeline_and_samples_what_the_policy_samples(kind
     assert "theta_2" in card and "held-out reward" in card and f"kind: {kind}" in card
     run = open_run_from_url(f"file://{runs[kind]}")
     policy, cfg = run.policy_at(2), run.cfg
+    if cfg.grpo.ema is not None:  # what was exported: theta_2's EMA
+        policy.load_trainable_state(ema_state(run, 2))
     pipe = pipeline_class(kind).from_pretrained(cfg.model.pretrained)
     pipe.load_lora_weights(out)
     pipe.set_progress_bar_config(disable=True)
@@ -192,5 +206,5 @@ def test_kill_9_anywhere_then_resume_is_bit_identical(parts, runs, tmp_path):
     result = run_cli(run_command("sd3", sets), tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert kills >= 2, f"the test must actually kill runs (killed {kills} times)"
-    for obj in ("policy.safetensors", "optimizer.safetensors"):
+    for obj in ("policy.safetensors", "ema.safetensors", "optimizer.safetensors"):
         assert RunStore(f"file://{killed}").load(FINAL).read(obj) == RunStore(f"file://{reference}").load(FINAL).read(obj)

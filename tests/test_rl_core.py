@@ -135,9 +135,9 @@ def test_first_on_policy_log_ratio_is_zero_and_update_moves_policy():
     before = {k: v.clone() for k, v in policy.trainable_state().items()}
     params = list(policy.transformer.parameters())
     batch = UpdateBatch(rollout, policy.encode_prompts(prompts), None, adv, sigma_schedule(4, 3.0))
-    stats = grpo_epoch(policy, params, torch.optim.AdamW(params, lr=1e-3), batch, minibatch_size=8, clip_range=0.2,
+    stats = grpo_epoch(policy, params, torch.optim.AdamW(params, lr=1e-3), batch, optimizer_steps=4, clip_range=0.2,
                        noise_level=0.7, guidance=1.0, max_grad_norm=1.0, generator=torch.Generator().manual_seed(0))
-    assert len(stats) == 4 and all(s["rows"] == 8 for s in stats)  # 8 samples x 4 steps = 32 rows, minibatches of 8
+    assert len(stats) == 4 and all(s["rows"] == 8 for s in stats)  # 8 samples x 4 steps = 32 rows, 4 steps of 8
     assert stats[0]["max_abs_log_ratio"] < 1e-5, "re-evaluated log-probs must match the sampler's on-policy"
     assert stats[-1]["max_abs_log_ratio"] > 1e-6, "after optimizer steps the policy has moved"
     assert any(not torch.equal(before[k], v) for k, v in policy.trainable_state().items())
@@ -169,10 +169,11 @@ def test_data_parallel_ranks_split_each_minibatch():
     policy = tiny_policy()
     batch = update_batch(policy, 4, 3, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     params = list(policy.transformer.parameters())
-    stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=0.0), batch, minibatch_size=5, clip_range=0.2,
+    stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=0.0), batch, optimizer_steps=3, clip_range=0.2,
                        noise_level=0.7, guidance=1.0, max_grad_norm=1.0, generator=torch.Generator().manual_seed(0),
                        rank=1, world=2)
-    assert [s["rows"] for s in stats] == [2, 2, 1]  # 12 rows: minibatches of 5, 5, 2; rank 1 takes every 2nd
+    # 12 rows in 3 steps: minibatches of 4; rank 1 takes every 2nd row of each
+    assert [s["rows"] for s in stats] == [2, 2, 2] and [s["minibatch_rows"] for s in stats] == [4, 4, 4]
 
 
 def test_microbatches_accumulate_the_minibatch_step():
@@ -181,7 +182,7 @@ def test_microbatches_accumulate_the_minibatch_step():
         policy = tiny_policy()
         batch = update_batch(policy, 8, 4, group_advantages(torch.arange(8.0).view(2, 4)).flatten())
         params = list(policy.transformer.parameters())
-        stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=1e-2), batch, minibatch_size=16,
+        stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=1e-2), batch, optimizer_steps=2,
                            microbatch_size=microbatch, clip_range=0.2, noise_level=0.7, guidance=1.0,
                            max_grad_norm=100.0, generator=torch.Generator().manual_seed(0))
         return policy.trainable_state(), stats
@@ -223,8 +224,68 @@ def test_timestep_fraction_trains_only_the_first_steps():
     seen = []
     original = policy.velocity
     policy.velocity = lambda latents, sigma, *a, **k: seen.append(sigma.clone()) or original(latents, sigma, *a, **k)
-    stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=0.0), batch, minibatch_size=3, clip_range=0.2,
+    stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=0.0), batch, optimizer_steps=4, clip_range=0.2,
                        noise_level=0.7, guidance=1.0, max_grad_norm=1.0, trained_steps=3,
                        generator=torch.Generator().manual_seed(0))
     assert sum(s["rows"] for s in stats) == 4 * 3  # 4 samples x their first 3 of 4 steps
     assert set(torch.cat(seen).tolist()) == set(sigma_schedule(4, 3.0)[:3].tolist())
+
+
+def test_ema_is_flow_grpos_and_resumes_from_its_commit_bit_for_bit():
+    """``grpo.ema`` against flow_grpo's EMAModuleWrapper written out (flow_grpo/ema.py, called as
+    ``ema.step(params, global_step)`` after each optimizer step): when (n + 1) % every == 0, with n the
+    optimizer steps taken, the average moves by 1 - min((1 + n) / (10 + n), decay). Restarted from its
+    committed bytes mid-run (a resumed update), it continues to the same bits."""
+    from spotlight.config import EMASection
+    from spotlight.ema import WeightsEMA
+    from spotlight.store import bytes_to_tensors, tensors_to_bytes
+
+    policy = tiny_policy()
+    cfg = EMASection(decay=0.9, every=3)
+    params = dict(policy.core.named_parameters())
+    ours = WeightsEMA(cfg, policy.trainable_state(), steps_done=0)
+    theirs = {name: p.detach().clone() for name, p in params.items()}
+    resumed = None
+    g = torch.Generator().manual_seed(0)
+    for global_step in range(1, 40):
+        with torch.no_grad():  # an optimizer step
+            for p in params.values():
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+        ours.step(policy)
+        if resumed is not None:
+            resumed.step(policy)
+        if (global_step + 1) % cfg.every == 0:
+            one_minus_decay = 1 - min((1 + global_step) / (10 + global_step), cfg.decay)
+            for name, p in params.items():
+                theirs[name].add_(one_minus_decay * (p - theirs[name]))
+        if global_step == 16:  # update(t) commits, a new process resumes from the commit
+            resumed = WeightsEMA(cfg, bytes_to_tensors(tensors_to_bytes(ours.average)), steps_done=16)
+    for name in params:
+        torch.testing.assert_close(ours.average[name], theirs[name], rtol=0, atol=1e-6)
+        assert torch.equal(resumed.average[name], ours.average[name])
+    moved = max((ours.average[n] - p).abs().max().item() for n, p in params.items())
+    assert moved > 1e-3, "the average lags the weights: the check is not vacuous"
+
+
+def test_update_takes_adamws_decoupled_weight_decay_from_the_config(tmp_path, cache_url):
+    """``grpo.weight_decay`` reaches the update's AdamW: one optimizer step from the same theta_0 and
+    gradients lands lr * weight_decay * theta_0 away from the step without decay (AdamW's decoupled form)."""
+    from spotlight import stages
+    from spotlight.config import load_config
+    from spotlight.run import open_run
+    from tests.conftest import REPO, SMALL
+
+    def theta_1(weight_decay: float) -> dict[str, torch.Tensor]:
+        run = open_run(load_config(REPO / "configs/tiny.yaml", [
+            *SMALL, "grpo.iterations=1", "grpo.optimizer_steps=1", f"grpo.weight_decay={weight_decay}",
+            f"run.cache_url={cache_url}", f"run.url=file://{tmp_path}/wd{weight_decay}"]))
+        stages.pretrain(run)
+        stages.update(run, 0)
+        return run.policy_state(1), run.policy_at(0).trainable_state(), run.cfg.grpo.lr
+
+    plain, theta_0, lr = theta_1(0.0)
+    decayed, _, _ = theta_1(0.5)
+    moved = [k for k in plain if not torch.equal(plain[k], theta_0[k])]
+    assert moved
+    for k in moved:
+        torch.testing.assert_close(plain[k] - decayed[k], lr * 0.5 * theta_0[k], rtol=1e-3, atol=1e-7)

@@ -35,7 +35,7 @@ SPOTLIGHT = str(Path(sys.executable).with_name("spotlight"))
 BUCKET = "spotlight-test"
 PLANTED_SECRET = "PLANTEDsecret+Zq7xW2vK9mN4pR8tY1uE5oI3aS6dF0gH"  # must appear nowhere
 SMALL = ["pretrain.steps=60", "pretrain.commit_every=20", "pretrain.classifier_steps=60",
-         "grpo.iterations=4", "grpo.prompts_per_iteration=4", "grpo.group_size=4", "grpo.minibatch_size=32",
+         "grpo.iterations=4", "grpo.prompts_per_iteration=4", "grpo.group_size=4", "grpo.optimizer_steps=3",
          "evaluation.every=4", "evaluation.seeds_per_prompt=4", "sampler.train_steps=6", "sampler.eval_steps=6",
          "exploration.mode=none"]
 

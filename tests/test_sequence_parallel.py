@@ -85,7 +85,7 @@ def make_run(parts: dict, path: Path, degree: int, lease_seconds: float = 4.0) -
         "data": {"prompts": str(parts["prompts"])},
         "sampler": {"train_steps": 6, "eval_steps": 4},
         "rewards": {"train": "pickscore", "eval": "pickscore", "pickscore": {"model": str(parts["clip"])}},
-        "grpo": {"iterations": 2, "prompts_per_iteration": 2, "group_size": 4, "minibatch_size": 12},
+        "grpo": {"iterations": 2, "prompts_per_iteration": 2, "group_size": 4, "optimizer_steps": 4},
         "exploration": {"mode": "sync", "candidates_per_prompt": 8, "max_candidates_per_prompt": 8,
                         "seeds_per_batch": SEEDS_PER_BATCH, "coarsen": 2, "extra_prompts": 1, "ranking_every": 0},
         "placement": {"lease_seconds": lease_seconds, "stall_seconds": 600,

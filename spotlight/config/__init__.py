@@ -22,13 +22,14 @@ from spotlight.config.model import (LoraSection, ModelSection, PipelineModelSect
 from spotlight.config.placement import (DEFAULT_ACCELERATORS, LEGACY_PLACEMENT, SEQUENCE_PARALLEL_KINDS,
                                         PlacementSection, SequenceParallelSection, WorkerKindSection,
                                         move_legacy_placement)
-from spotlight.config.recipe import (CheckpointSection, DataSection, EvaluationSection, ExplorationSection,
-                                     GRPOSection, PretrainSection, RunSection, SamplerSection)
+from spotlight.config.recipe import (CheckpointSection, DataSection, EMASection, EvaluationSection,
+                                     ExplorationSection, GRPOSection, PretrainSection, RunSection, SamplerSection)
 from spotlight.config.rewards import (REWARDS, AestheticSection, ClipScoreSection, PickScoreSection,
                                       RemoteRewardSection, RewardEntry, RewardsSection)
 
 __all__ = ["AestheticSection", "CheckpointSection", "ClipScoreSection", "Config", "ConfigError", "DataSection",
-           "DEFAULT_ACCELERATORS", "EvaluationSection", "ExplorationSection", "GRPOSection", "LEGACY_PLACEMENT",
+           "DEFAULT_ACCELERATORS", "EMASection", "EvaluationSection", "ExplorationSection", "GRPOSection",
+           "LEGACY_PLACEMENT",
            "LoraSection", "ModelSection", "PickScoreSection", "PipelineModelSection", "PlacementSection",
            "PretrainSection", "REWARDS", "RemoteRewardSection", "RewardEntry", "RewardsSection", "RunSection",
            "SEQUENCE_PARALLEL_KINDS", "SamplerSection", "Section", "SequenceParallelSection", "TinyModelSection",
@@ -76,6 +77,11 @@ class Config(Section):
             raise ValueError(f"placement.sequence_parallel.degree is {sp.degree}, but model.kind {self.model.kind!r} "
                              "has no context-parallel plan in diffusers; sequence parallelism shards "
                              f"{' and '.join(SEQUENCE_PARALLEL_KINDS)} transformers")
+        rows = self.grpo.prompts_per_iteration * self.grpo.group_size * self.trained_steps
+        if self.grpo.optimizer_steps > rows:
+            raise ValueError(f"grpo.optimizer_steps ({self.grpo.optimizer_steps}) exceeds the rows an iteration trains: "
+                             f"{rows} (prompts_per_iteration {self.grpo.prompts_per_iteration} x group_size "
+                             f"{self.grpo.group_size} x {self.trained_steps} trained steps)")
         if self.sampler.train_steps % self.exploration.coarsen:
             raise ValueError(f"exploration.coarsen ({self.exploration.coarsen}) must divide sampler.train_steps "
                              f"({self.sampler.train_steps}): a coarse exploration step sums whole training steps' "

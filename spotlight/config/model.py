@@ -57,6 +57,8 @@ class PipelineModelSection(_ModelCommon):
                                      "when model.pretrained is not on this machine")
     resolution: int = Field(512, ge=16, description="image height and width")
     max_sequence_length: int = Field(256, ge=1, description="text tokens (T5 / Qwen2.5-VL)")
+    vae_fp32: bool = Field(True, description="the VAE in fp32 whatever model.dtype (flow_grpo's): rollouts and "
+                           "evaluations are decoded for their rewards at full precision; false: in model.dtype")
 
     @field_validator("pretrained")
     @classmethod

@@ -3,9 +3,9 @@ evaluation, checkpoints). A resumed run must keep them (``Config.recipe``)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from spotlight.config.base import Section
 
@@ -73,6 +73,17 @@ class SamplerSection(Section):
 
 
 
+class EMASection(Section):
+    """flow_grpo's EMA of the trained weights (``flow_grpo/ema.py``, :mod:`spotlight.ema`): after the
+    optimizer step that brings the run's count to n, when (n + 1) % every == 0, the average moves towards
+    the weights by 1 - min((1 + n) / (10 + n), decay), a warm-up that lets the first updates count.
+    flow_grpo's SD3 and FLUX recipes: decay 0.9 every 8 steps ("affects the previous 20 x 8 = 160 steps
+    on average")."""
+
+    decay: float = Field(0.9, ge=0, lt=1)
+    every: int = Field(8, ge=1, description="update the average every N optimizer steps")
+
+
 class GRPOSection(Section):
     """The policy update (Flow-GRPO): prompts and group size per iteration, group-relative advantages, the
     PPO-clipped loss with its KL term, and the optimizer's minibatches."""
@@ -88,12 +99,25 @@ class GRPOSection(Section):
     adv_std: Literal["per_prompt", "global"] = Field(
         "per_prompt", description="advantages divided by each prompt group's reward std, or by the whole "
         "batch's (flow_grpo's SD3 configs: global); chosen by iterations to target, docs/exploration.md")
-    kl_beta: float = Field(0.05, ge=0)
-    minibatch_size: int = Field(64, ge=1, description="(sample, timestep) rows per optimizer step")
+    kl_beta: float = Field(0.24, ge=0, description="weight of the KL to the base, as flow_grpo's train.beta: "
+                           "per step |mean - mean_ref|^2 / (2 std_t^2), no dt (spotlight.grpo.step_kl)")
+    optimizer_steps: int = Field(9, ge=1, description="optimizer steps per epoch over an iteration's trained "
+                                 "(sample, timestep) rows, each on an equal share of them (flow_grpo: 2)")
     microbatch_size: int | None = Field(None, ge=1, description="rows per forward pass (gradient accumulation "
                                         "within a minibatch); null: the whole minibatch at once")
     epochs: int = Field(1, ge=1)
     max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW's decoupled weight decay (flow_grpo: 1e-4)")
+    ema: EMASection | None = Field(None, description="an exponential moving average of the trained weights, "
+                                   "which evaluation and export use; null: none (the live weights)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "minibatch_size" in data:
+            raise ValueError("grpo.minibatch_size is now grpo.optimizer_steps: optimizer steps per epoch, each on an "
+                             "equal share of the iteration's prompts x group_size x trained steps rows (flow_grpo: 2)")
+        return data
 
     @field_validator("group_size")
     @classmethod

@@ -131,6 +131,8 @@ def policy_on_meta(cfg: Config, folder: Path | None = None, dtype: torch.dtype |
     folder = model_folder(cfg.model) if folder is None else Path(folder)
     cls = policy_class(cfg.model.kind)
     components = components_on_meta(folder, dtype, real_buffers)
+    if cfg.model.vae_fp32 and "vae" in components:  # as frozen_parts loads it: the rewards' decode in fp32
+        components["vae"].to(torch.float32)
     transformer = components.pop("transformer")
     policy = cls(FrozenParts(cls.pipeline_cls(transformer=None, **components)), transformer, cfg.model, cfg.sampler.shift)
     if cfg.model.lora is not None:

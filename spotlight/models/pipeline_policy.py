@@ -13,7 +13,8 @@ explicitly (prompt encoding, velocity, decode, sigma schedule); this module hold
   encoded alone (batch of one, so its embedding never depends on its batch-mates) and kept on the
   CPU, LRU-bounded; a cached row is the very tensor a fresh encode of that prompt gives.
 - **Precision**: ``model.dtype`` auto is bfloat16 on CUDA, float32 elsewhere; velocities come back
-  fp32 (the SDE log-prob and the loss stay fp32).
+  fp32 (the SDE log-prob and the loss stay fp32). ``model.vae_fp32`` keeps the VAE in fp32, as
+  flow_grpo does, so the images the rewards score are decoded at full precision.
 """
 
 from __future__ import annotations
@@ -72,14 +73,16 @@ class FrozenParts:
         return PromptEmbeds({n: torch.cat([r[n] for r in rows]) for n in rows[0]})
 
 
-_FROZEN: dict[tuple[str, str, torch.dtype], FrozenParts] = {}
+_FROZEN: dict[tuple[str, str, torch.dtype, bool], FrozenParts] = {}
 
 
-def frozen_parts(pipeline_cls: type, pretrained: str, dtype: torch.dtype) -> FrozenParts:
-    """The frozen parts of ``pretrained``, loaded on the CPU the first time this process asks."""
-    key = (pipeline_cls.__name__, pretrained, dtype)
+def frozen_parts(pipeline_cls: type, pretrained: str, dtype: torch.dtype, vae_fp32: bool = True) -> FrozenParts:
+    """The frozen parts of ``pretrained``, loaded on the CPU the first time this process asks; the VAE in
+    fp32 when ``vae_fp32``, else in ``dtype`` as the rest."""
+    key = (pipeline_cls.__name__, pretrained, dtype, vae_fp32)
     if key not in _FROZEN:
-        pipe = pipeline_cls.from_pretrained(pretrained, transformer=None, torch_dtype=dtype)
+        dtypes = {"default": dtype, "vae": torch.float32} if vae_fp32 else dtype
+        pipe = pipeline_cls.from_pretrained(pretrained, transformer=None, torch_dtype=dtypes)
         pipe.set_progress_bar_config(disable=True)
         _FROZEN[key] = FrozenParts(pipe)
     return _FROZEN[key]
@@ -116,7 +119,7 @@ class PipelinePolicy(DiffusionPolicy):
         model = cfg.model
         check_pretrained(model)
         dtype = resolve_dtype(model.dtype, device)
-        frozen = frozen_parts(cls.pipeline_cls, model.pretrained, dtype)
+        frozen = frozen_parts(cls.pipeline_cls, model.pretrained, dtype, model.vae_fp32)
         transformer = cls.transformer_cls.from_pretrained(model.pretrained, subfolder="transformer", torch_dtype=dtype)
         return cls(frozen, transformer, model, cfg.sampler.shift)
 
