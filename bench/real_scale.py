@@ -96,11 +96,11 @@ def reduced_reward_folder(cfg: Config, name: str, out: Path) -> Path:
 def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> nn.Module:
     """Every parameter on ``meta`` becomes a random tensor on ``device`` (its dtype and ``requires_grad`` kept);
     buffers are moved (they were built real)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # drawn where it lives: billions of values on a GPU
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None and p.is_meta:
-                data = (torch.randn(p.shape, generator=gen) * 0.02).to(device=device, dtype=p.dtype)
+                data = (torch.randn(p.shape, generator=gen, device=device) * 0.02).to(dtype=p.dtype)
                 sub._parameters[name] = nn.Parameter(data, requires_grad=p.requires_grad)
     return module.to(device)
 
