@@ -156,10 +156,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def part_peak(device: torch.device, peaks: dict[str, int], name: str) -> None:
+    """CUDA: the allocator's peak over the part that just ended, then a fresh count for the next part."""
+    if device.type == "cuda":
+        peaks[name] = torch.cuda.max_memory_allocated(device)
+        peaks["reserved"] = max(peaks.get("reserved", 0), torch.cuda.max_memory_reserved(device))
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 # -- one iteration --------------------------------------------------------------------------------------
 def iteration(cfg: Config, policy: DiffusionPolicy, rewards: dict[str, nn.Module], prompts: int, group: int,
-              device: torch.device) -> dict[str, float]:
-    """Rollouts with CFG, decode, reward, LoRA update, as update(t) runs them; seconds per part."""
+              device: torch.device, peaks: dict[str, int] | None = None) -> dict[str, float]:
+    """Rollouts with CFG, decode, reward, LoRA update, as update(t) runs them; seconds per part (and on CUDA
+    the allocator's peak per part into ``peaks``)."""
+    peaks = {} if peaks is None else peaks
     sc, gc = cfg.sampler, cfg.grpo
     seconds: dict[str, float] = {}
     stand_in_prompts(policy, seconds)
@@ -172,6 +182,7 @@ def iteration(cfg: Config, policy: DiffusionPolicy, rewards: dict[str, nn.Module
                                  guidance=sc.guidance, negative_prompt=sc.negative_prompt)
     sync(device)
     seconds["rollouts (with decode)"] = time.perf_counter() - started
+    part_peak(device, peaks, "rollouts")
     started = time.perf_counter()
     scores = torch.zeros(len(texts), device=device)
     with torch.no_grad():
@@ -185,6 +196,7 @@ def iteration(cfg: Config, policy: DiffusionPolicy, rewards: dict[str, nn.Module
                 scores[start:start + len(pixels)] += embeds.sum(dim=-1)
     sync(device)
     seconds["reward"] = time.perf_counter() - started
+    part_peak(device, peaks, "reward")
     advantages = group_advantages(scores.view(prompts, group), gc.adv_std, gc.adv_clip).flatten()
     cond = policy.encode_prompts(texts)
     uncond = policy.encode_prompts([sc.negative_prompt] * len(texts)) if policy.needs_uncond(sc.guidance) else None
@@ -199,6 +211,7 @@ def iteration(cfg: Config, policy: DiffusionPolicy, rewards: dict[str, nn.Module
                microbatch_size=gc.microbatch_size, trained_steps=cfg.trained_steps, generator=generator(0, "bench"))
     sync(device)
     seconds["update"] = time.perf_counter() - started
+    part_peak(device, peaks, "update")
     seconds["rows"] = rows
     seconds["images"] = len(texts)
     optimizer.zero_grad(set_to_none=True)
@@ -343,13 +356,15 @@ def full_report(cfg: Config, args: argparse.Namespace, dtype: torch.dtype, devic
           + f"the plan's {gib(planned_weights)} GiB", flush=True)
     prompts = args.prompts or cfg.grpo.prompts_per_iteration
     group = args.group or cfg.grpo.group_size
+    peaks: dict[str, int] = {}
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the reserved peak is the iteration's, not the random initialisation's
         torch.cuda.reset_peak_memory_stats(device)
         started = time.perf_counter()
-        seconds = iteration(cfg, policy, rewards, prompts, group, device)
+        seconds = iteration(cfg, policy, rewards, prompts, group, device, peaks)
         total = time.perf_counter() - started
-        peak = torch.cuda.max_memory_allocated(device)
-        reserved = torch.cuda.max_memory_reserved(device)
+        reserved = peaks.pop("reserved")
+        peak = max(peaks.values())
     else:  # the CPU allocator has no cache: its peak above the weights, from its own record
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             started = time.perf_counter()
@@ -368,6 +383,13 @@ def full_report(cfg: Config, args: argparse.Namespace, dtype: torch.dtype, devic
           f"(ratio {peak / planned:.3f}; the plan's peak among them: {worst.name}); not run here: evaluation and the "
           f"reward runtime's parity batch (the plan's peak over every phase: {gib(trainer.allocated)} GiB, "
           f"{trainer.worst.name})")
+    for part, names in (("rollouts", ("update rollout", "update decode", "text")), ("reward", (" (train), ",)),
+                        ("update", ("update train step",))):
+        matching = [ph for ph in ran if any(n in ph.name for n in names)]
+        if part in peaks and matching:
+            planned_part = trainer.static + max(ph.total for ph in matching)
+            print(f"  {part:<9} peak allocated {peaks[part] / GIB:6.2f} GiB vs the plan's {gib(planned_part)} GiB "
+                  f"(ratio {peaks[part] / planned_part:.3f})")
     if total_memory is not None:
         print(f"max_memory_reserved / allocated {reserved / peak:.3f} (the plan assumes {1 + FRAGMENTATION:.2f}); "
               f"the plan's need {gib(trainer.need)} GiB of {total_memory / GIB:.1f} GiB")

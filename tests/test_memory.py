@@ -142,7 +142,7 @@ def test_plan_prints_every_worker_with_its_parts_without_weights(flux_plan):
     result = CliRunner().invoke(app, ["plan", "--config", str(config), "--no-prices"])
     assert result.exit_code == 0, result.output
     out = result.output
-    for text in ("trainer: needs", "explorer: needs", "transformer (bfloat16)", "vae (bfloat16)", "LoRA adapter (float32)",
+    for text in ("trainer: needs", "explorer: needs", "transformer (bfloat16)", "vae (float32)", "LoRA adapter (float32)",
                  "LoRA gradients (float32)", "AdamW moments (float32)", "train step (with gradient checkpointing)",
                  "train step (without gradient checkpointing)", "rollout", "fits"):
         assert text in out, text
