@@ -10,6 +10,7 @@ import typer
 
 from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
 from spotlight.config import load_config
+from spotlight.mounts import check_mounted_inputs
 from spotlight.report import Summary
 from spotlight.run import check_inputs, compute_device
 from spotlight.store import preflight
@@ -23,7 +24,9 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
         preflight(url)  # so does a store that cannot be reached or written (one line, exit 2)
     if os.environ.get("SPOTLIGHT_LAUNCHER", "local") == "local":
         compute_device(cfg.run.device)  # so does a device this machine does not have (its workers use it)
-    check_inputs(cfg)  # and missing prompt files or reward weights
+        check_inputs(cfg)  # and missing prompt files or reward weights
+    else:
+        check_mounted_inputs(cfg)  # cloud workers read them from the buckets placement.mounts maps
     from flows.post_train import post_train
 
     summary = post_train(config_path=str(config), run_url=run_url, overrides=overrides)

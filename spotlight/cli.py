@@ -134,7 +134,9 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
            poll_seconds: Optional[float] = typer.Option(
                None, "--poll-seconds", help="how often to look for new work; default 0.02 s on a local store, "
                                             "0.5 s on S3 (or SPOTLIGHT_POLL_SECONDS)")) -> None:
-    """Work on a run as a long-lived worker: pull its work items until the run is done (SIGTERM-safe)."""
+    """Work on a run as a long-lived worker: pull its work items until the run is done (SIGTERM-safe).
+    Exits 0 when the run is over (or it idled out), 143 when SIGTERM (a preemption) stopped it."""
+    from spotlight.queue_worker import PREEMPTED_EXIT_CODE
     from spotlight.worker import work_on_run
 
     if kind not in ("explorer", "trainer"):
@@ -152,10 +154,11 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
     table.add_row("stopped by SIGTERM", str(stats["stopped"]))
     Console().print(table)
     # Everything is committed: leave now. The interpreter's own teardown (torch and friends) takes
-    # seconds, which a preempted worker has not got before its kill -9.
+    # seconds, which a preempted worker has not got before its kill -9. Stopped by SIGTERM: not done, so
+    # not 0 (SkyPilot would record the job SUCCEEDED and never recover it).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(PREEMPTED_EXIT_CODE if stats["stopped"] else 0)
 
 
 @app.command()

@@ -25,6 +25,10 @@ from spotlight.work_queue import Claim, LeaseLostError, WorkQueue
 
 #: computes an item's units: (item, units) -> (unit, result) as each unit is finished
 Handler = Callable[[dict[str, Any], list[str]], Iterator[tuple[str, Any]]]
+#: how a worker that SIGTERM stopped exits (128 + SIGTERM, as a shell reports it): never 0, which SkyPilot's
+#: jobs controller reads as SUCCEEDED (no recovery). The task YAMLs list it in ``recover_on_exit_codes``,
+#: so SkyPilot recovers the job even when it reads the exit before the preempted VM is gone.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 log = logging.getLogger(__name__)
 
 

@@ -165,6 +165,9 @@ class RequestCounts:
     def billed(self) -> int:
         return self.put + self.get
 
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def cost_usd(self, price_per_1000: dict[str, float] = S3_PRICE_PER_1000) -> float:
         return sum(getattr(self, k) * price / 1000 for k, price in price_per_1000.items())
 

@@ -27,11 +27,13 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 from spotlight import stages
-from spotlight.cost import Ledger, Outcome
+from spotlight.cost import Ledger, Outcome, process_start_time
 from spotlight.exploration import explore_units, open_queues, trainers_may_join
 from spotlight.pool import default_poll_seconds, pool_done, ready_record_key
 from spotlight.queue_worker import Handler, WorkerStats, run_worker, work_item
-from spotlight.run import Run, distributed, open_run_from_url
+from spotlight.config import ConfigError
+from spotlight.mounts import bucket_url, input_paths
+from spotlight.run import Run, check_inputs, distributed, open_run_from_url
 from spotlight.stage_queue import StageRequest, open_requests
 from spotlight.store import Commit
 from spotlight.work_queue import WorkQueue
@@ -78,16 +80,6 @@ class _Signals:
             self.armed = False
 
 
-def _process_start_time() -> float:
-    """When this process started (Linux: /proc), so a worker's boot (imports, run opened) is paid for."""
-    try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
 def _control_group() -> ModuleType:
     """The process group of a trainer launched as several processes (``accelerate launch`` / torchrun on
     a multi-GPU or multi-node trainer): rank 0 pulls the work and tells the other ranks what to run.
@@ -120,6 +112,17 @@ def _follow_rank_0(run: Run, dist: ModuleType, worker_id: str) -> dict[str, Any]
             log.warning("rank %d: %s of iteration %d failed: %s", dist.get_rank(), stage, t, e)
         stats.items_claimed += 1
         stats.busy_seconds += time.monotonic() - t0
+
+
+def check_worker_inputs(cfg: Any) -> None:
+    """The inputs as this worker sees them (a cloud worker: through its mounts), before it takes work: a
+    missing or wrong one fails here, naming the path and the bucket mounted there."""
+    try:
+        check_inputs(cfg)
+    except ConfigError as e:
+        mounted = {path: url for path in input_paths(cfg).values() if (url := bucket_url(cfg, path))}
+        raise ConfigError(f"{e}" + "".join(f"\n({path} is {url}, mounted by placement.mounts)"
+                                           for path, url in mounted.items() if path in str(e))) from None
 
 
 def _pull_outcome(stats: dict[str, Any] | None) -> Outcome:
@@ -290,8 +293,11 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     """
     if kind not in ("explorer", "trainer"):
         raise ValueError(f"worker kind {kind!r}: expected explorer or trainer")
-    started = _process_start_time()
+    started = process_start_time()
+    # SkyPilot ran the task's setup (pip install ...) before this process: sky/*.yaml note when it began
+    setup_started = min(float(os.environ.get("SPOTLIGHT_SETUP_STARTED_AT") or started), started)
     run = open_run_from_url(run_url)
+    check_worker_inputs(run.cfg)
     # a store key: SKYPILOT_TASK_ID or a hostname may hold characters the queue does not allow
     worker_id = re.sub(r"[^A-Za-z0-9_=+-]", "-", worker_id or f"{socket.gethostname()}-{os.getpid()}")
     dist = _control_group() if kind == "trainer" and distributed() else None
@@ -306,6 +312,6 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     # ready: imports done and the run opened (the flow waits for its local workers to get here)
     run.store.put_json(ready_record_key(worker_id), {"worker": worker_id, "kind": kind, "host": socket.gethostname(),
                                                      "pid": os.getpid(), "ready_at": time.time()})
-    ledger.record("boot", None, time.time() - started, Outcome.OK, 0.0)
+    ledger.record("boot", None, time.time() - setup_started, Outcome.OK, 0.0, setup_seconds=started - setup_started)
     worker.release_stale()
     return worker.work(idle_exit_seconds)
