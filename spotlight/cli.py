@@ -135,8 +135,8 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
                None, "--poll-seconds", help="how often to look for new work; default 0.02 s on a local store, "
                                             "0.5 s on S3 (or SPOTLIGHT_POLL_SECONDS)")) -> None:
     """Work on a run as a long-lived worker: pull its work items until the run is done (SIGTERM-safe).
-    Exits 0 when the run is over (or it idled out), 143 when SIGTERM (a preemption) stopped it."""
-    from spotlight.queue_worker import PREEMPTED_EXIT_CODE
+    Exits 0 when the run's flow is over (or it idled out), 143 when SIGTERM (a preemption) stopped it first."""
+    from spotlight.queue_worker import exit_code
     from spotlight.worker import work_on_run
 
     if kind not in ("explorer", "trainer"):
@@ -158,7 +158,7 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
     # not 0 (SkyPilot would record the job SUCCEEDED and never recover it).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(PREEMPTED_EXIT_CODE if stats["stopped"] else 0)
+    os._exit(exit_code(run_url, stats["stopped"]))
 
 
 @app.command()

@@ -24,8 +24,7 @@ from spotlight import cost, stage_queue  # noqa: E402
 from spotlight.config import load_config  # noqa: E402
 from spotlight.pool import mark_pool_done, pool_broken, write_slot  # noqa: E402
 from spotlight.store import RunStore  # noqa: E402
-from tasks.launcher import (LocalLauncher, SkyJobs, SkyLauncher, job_name, job_status,  # noqa: E402
-                            launcher_from_env, parse_resources, sky_jobs_from_env)
+from tasks.launcher import (LocalLauncher, SkyJobs, SkyLauncher, job_name, launcher_from_env, parse_resources, sky_jobs_from_env)
 from tasks.sky_task import placement_resources  # noqa: E402
 from tasks.workers import SkyPool  # noqa: E402
 from tests.sky_records import resources_strings  # noqa: E402

@@ -32,7 +32,7 @@ from typing import Callable
 
 from spotlight.config import Config
 from spotlight.models.policy import check_pretrained, policy_class
-from spotlight.queue_worker import PREEMPTED_EXIT_CODE
+from spotlight.queue_worker import exit_code
 
 
 def preload(cfg: Config) -> None:
@@ -70,7 +70,7 @@ def fork_members(names: list[str], child: Callable[[str, int], None]) -> dict[st
 
 def forward_sigterm(pids: dict[str, int], stopped: list[bool]) -> None:
     """SIGTERM to the launcher (a preemption notice, the pool closing) goes to every member; ``stopped``
-    then holds True (the launcher exits PREEMPTED_EXIT_CODE, never 0)."""
+    then holds True (the launcher exits PREEMPTED_EXIT_CODE unless the run's flow is over)."""
     def forward(signum: int, frame: object) -> None:
         stopped[0] = True
         for pid in pids.values():
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"pids": pids}), flush=True)
     codes = wait_members(pids)
     print(json.dumps({"exit": codes}), flush=True)
-    sys.exit(PREEMPTED_EXIT_CODE if stopped[0] else next((1 for c in codes.values() if c != 0), 0))
+    sys.exit(exit_code(args.run, stopped[0]) or next((1 for c in codes.values() if c != 0), 0))
 
 
 if __name__ == "__main__":
