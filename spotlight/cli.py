@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -136,6 +137,9 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
                                             "0.5 s on S3 (or SPOTLIGHT_POLL_SECONDS)")) -> None:
     """Work on a run as a long-lived worker: pull its work items until the run is done (SIGTERM-safe).
     Exits 0 when the run's flow is over (or it idled out), 143 when SIGTERM (a preemption) stopped it first."""
+    # SIGTERM while booting (imports, loading the model): nothing is held yet; leave as a preempted worker,
+    # never killed by the signal (SkyPilot would read -15, which recover_on_exit_codes does not list)
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))
     from spotlight.queue_worker import exit_code
     from spotlight.worker import work_on_run
 

@@ -176,7 +176,7 @@ class LocalPool:
                 code = proc.poll()
                 if code is None or pool_done(self.store) or pool_broken(self.store):
                     continue
-                if code not in (0, PREEMPTED_EXIT_CODE):  # a preemption (SIGTERM) is not the worker's failure
+                if code not in (0, PREEMPTED_EXIT_CODE, -signal.SIGTERM):  # a SIGTERM is not the worker's failure
                     self.failures[slot] += 1
                 if self.failures[slot] > self.cfg.placement.max_relaunches:
                     mark_pool_broken(self.store, slot, (

@@ -53,6 +53,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -252,15 +253,25 @@ class _Job:
         return env
 
     def _mount(self) -> None:
-        """The task's bucket mounts, emulated by a copy from S3 (the moto server) to their paths."""
+        """The task's bucket mounts, emulated by a copy from S3 (the moto server) to their paths. The emulated
+        VMs share this machine's disk: each copy lands in a folder of its own and its files are moved into
+        place one by one (atomically), so a worker already reading a mounted file never sees it missing."""
         import fsspec
 
         from spotlight.store import s3_storage_options
 
         for path, storage in self.task.storage_mounts.items():
             fs, root = fsspec.core.url_to_fs(storage.source, **s3_storage_options())
-            shutil.rmtree(path, ignore_errors=True)
-            fs.get(root.rstrip("/") + "/", path.rstrip("/") + "/", recursive=True)
+            Path(path).mkdir(parents=True, exist_ok=True)
+            fresh = Path(tempfile.mkdtemp(dir=Path(path).parent, prefix=".mount-"))
+            try:
+                fs.get(root.rstrip("/") + "/", f"{fresh}/", recursive=True)
+                for file in sorted(f for f in fresh.rglob("*") if f.is_file()):
+                    target = Path(path) / file.relative_to(fresh)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(file, target)
+            finally:
+                shutil.rmtree(fresh, ignore_errors=True)
             self.cluster.event("mount", self, path=path, source=storage.source, mode=storage.mode.value)
 
     def _start(self, segment: Segment) -> bool:

@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     from spotlight.sequence_parallel.member import group_name, member_options, run_from_args
     from spotlight.store import RunStore
 
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))  # booting: nothing held yet
     p = member_options(argparse.ArgumentParser(prog="python -m spotlight.sequence_parallel.launch",
                                                description="Fork the members of an SP explorer group."))
     p.add_argument("--processes", type=int, help="members to fork, one per GPU (default: the run's "
