@@ -178,13 +178,13 @@ def total(store: RunStore) -> float:
 
 def requests_per_second_waiting(entries: list[dict[str, Any]]) -> dict[str, float]:
     """Per process, the S3 requests it sent per second while it waited: a worker's idle periods (held,
-    no work in hand), and the controller's whole life (it never computes; it waits on the workers)."""
+    no work in hand), the controller's waits on stages and explorations."""
     sent: dict[str, float] = {}
     seconds: dict[str, float] = {}
     for e in entries:
         who = e.get("worker") or e["stage"]
         if e["stage"] == "controller":
-            n, t = sum(e.get("requests", {}).get(k, 0) for k in S3_PRICE_PER_1000), e["seconds"]
+            n, t = sum(e.get("waiting_requests", {}).get(k, 0) for k in S3_PRICE_PER_1000), e.get("waiting_seconds", 0.0)
         else:
             n, t = sum(e.get("idle_requests", {}).get(k, 0) for k in S3_PRICE_PER_1000), e.get("idle_seconds", 0.0)
         sent[who] = sent.get(who, 0.0) + n

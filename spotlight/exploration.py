@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from spotlight.config import Config
-from spotlight.pool import pacer, post_notice
+from spotlight.pool import WAITING, pacer, post_notice
 from spotlight.queue_worker import run_worker
 from spotlight.run import Run
 from spotlight.sampler import Rollout, sample_sde
@@ -167,23 +167,24 @@ def explore_queue(run: Run, t: int, queue: WorkQueue, items: list[dict[str, Any]
     if joined:
         let_trainers_join(queue, "the flow waits for this exploration")
     last_progress, pace = time.monotonic(), pacer(run.store)
-    while True:
-        changed, drained = queue.look()  # one HEAD while nothing changes
-        if drained:
-            break
-        if inline:
-            inline_stats = run_worker(queue, partial(explore_units, run, t, role="inline"), worker_id="inline")
-            continue
-        if changed:
-            last_progress = time.monotonic()
-            pace.reset()
-        if not joined and isinstance(trainers_join, str) and run.store.is_committed(trainers_join):
-            let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
-            joined = True
-        elif not joined and time.monotonic() - last_progress > run.cfg.placement.stall_seconds:
-            let_trainers_join(queue, f"no progress for {run.cfg.placement.stall_seconds:g} s")
-            joined = True
-        time.sleep(pace.next())
+    with WAITING.waiting():
+        while True:
+            changed, drained = queue.look()  # one HEAD while nothing changes
+            if drained:
+                break
+            if inline:
+                inline_stats = run_worker(queue, partial(explore_units, run, t, role="inline"), worker_id="inline")
+                continue
+            if changed:
+                last_progress = time.monotonic()
+                pace.reset()
+            if not joined and isinstance(trainers_join, str) and run.store.is_committed(trainers_join):
+                let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
+                joined = True
+            elif not joined and time.monotonic() - last_progress > run.cfg.placement.stall_seconds:
+                let_trainers_join(queue, f"no progress for {run.cfg.placement.stall_seconds:g} s")
+                joined = True
+            time.sleep(pace.next())
     return {"wall_seconds": time.perf_counter() - started, "inline": inline_stats is not None,
             "trainers_joined": joined}
 

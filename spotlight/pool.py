@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
-from spotlight.store import RunStore, StoreError, json_bytes
+from spotlight.store import RequestCounts, RunStore, StoreError, json_bytes, request_counts
 
 POOL_DONE, POOL_BROKEN, POOL_SLOTS, BOARD = "pool/done.json", "pool/broken.json", "pool/slots", "pool/board.json"
 #: S3: look again after a tenth of the time waited so far, from half a second up to a few seconds
@@ -64,6 +65,27 @@ class Pacer:
 
     def next(self) -> float:
         return min(self.high, max(self.low, 0.1 * (time.monotonic() - self.since)))
+
+
+class WaitMeter:
+    """This process's time spent waiting on the store (for a stage, for an exploration) and the S3 requests
+    it sent meanwhile: what waiting costs, apart from the process's other work (the controller's ledger
+    entries carry it)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.requests = 0.0, RequestCounts()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        t0, r0 = time.monotonic(), request_counts()
+        try:
+            yield
+        finally:
+            self.seconds += time.monotonic() - t0
+            self.requests = self.requests + (request_counts() - r0)
+
+
+WAITING = WaitMeter()
 
 
 def pacer(store: RunStore, poll_seconds: float | None = None) -> Pacer:

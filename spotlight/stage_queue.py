@@ -24,19 +24,21 @@ first (``WorkQueue.release_stale``).
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from spotlight.pool import pacer, pool_broken, post_notice
+from spotlight.pool import WAITING, pacer, pool_broken, post_notice
 from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
 from spotlight.work_queue import WorkQueue
 
 STAGE_PREFIX = "stages"
 TRAINER_STAGES = ("pretrain", "evaluate", "ranking", "update")  # the order a trainer takes open requests in
 _REQUEST = re.compile(r"([a-z]+)-(\d{4})-a(\d{2})")
+BROKEN_EVERY = 5.0  # seconds between two reads of the pool's broken marker while waiting on a stage
 
 
 class StageFailed(RuntimeError):
@@ -136,31 +138,36 @@ def wait(request: StageRequest, poll_seconds: float | None = None,
     each look, may raise too; ``timeout_seconds``: TimeoutError after that long).
 
     A look is one HEAD of the attempt's ``progress.json`` (the marker and the failure are read only when
-    it changed) and one GET of the pool's broken marker, paced by :class:`spotlight.pool.Pacer`
-    (``poll_seconds``: flat instead)."""
+    it changed), paced by :class:`spotlight.pool.Pacer` (``poll_seconds``: flat instead); the pool's broken
+    marker is read every ``BROKEN_EVERY`` seconds."""
     queue, pace = request.queue(), pacer(request.store, poll_seconds)
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-    while True:
-        changed, _ = queue.look()
-        if changed:
-            pace.reset()
-            done = request.done()
-            if done is not None:
-                return done
-            failed = request.failure()
-            if failed is not None:
-                raise StageFailed(f"{request.stage} of iteration {request.iteration} (attempt {request.attempt}) "
-                                  f"failed on worker {failed['worker']}: {failed['error']}\n"
-                                  f"--- the worker's traceback (tail) ---\n{failed['traceback_tail'].rstrip()}", failed)
-        broken = pool_broken(request.store)
-        if broken is not None:
-            raise StageFailed(f"{request.stage} of iteration {request.iteration} cannot run: the worker pool is "
-                              f"broken: {broken['reason']}", broken)
-        if on_poll is not None:
-            on_poll()
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"{request.name} not done within {timeout_seconds:g} s")
-        time.sleep(pace.next())
+    broken_at = -math.inf
+    with WAITING.waiting():
+        while True:
+            changed, _ = queue.look()
+            if changed:
+                pace.reset()
+                done = request.done()
+                if done is not None:
+                    return done
+                failed = request.failure()
+                if failed is not None:
+                    raise StageFailed(f"{request.stage} of iteration {request.iteration} (attempt {request.attempt}) "
+                                      f"failed on worker {failed['worker']}: {failed['error']}\n"
+                                      f"--- the worker's traceback (tail) ---\n{failed['traceback_tail'].rstrip()}",
+                                      failed)
+            if time.monotonic() - broken_at >= BROKEN_EVERY:
+                broken_at = time.monotonic()
+                broken = pool_broken(request.store)
+                if broken is not None:
+                    raise StageFailed(f"{request.stage} of iteration {request.iteration} cannot run: the worker pool "
+                                      f"is broken: {broken['reason']}", broken)
+            if on_poll is not None:
+                on_poll()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{request.name} not done within {timeout_seconds:g} s")
+            time.sleep(pace.next())
 
 
 def open_requests(store: RunStore, final: set[str] | None = None,

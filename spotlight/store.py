@@ -161,6 +161,9 @@ class RequestCounts:
     def __sub__(self, other: "RequestCounts") -> "RequestCounts":
         return RequestCounts(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
+    def __add__(self, other: "RequestCounts") -> "RequestCounts":
+        return RequestCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
     @property
     def billed(self) -> int:
         return self.put + self.get

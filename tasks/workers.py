@@ -32,8 +32,8 @@ from typing import Any, Iterator
 
 from spotlight.config import Config
 from spotlight.cost import Ledger, Outcome, PriceError, process_start_time, record_provisioning, resources_price
-from spotlight.pool import (mark_pool_broken, mark_pool_done, pool_broken, pool_done, ready_record_key, reset_pool,
-                            write_slot)
+from spotlight.pool import (WAITING, mark_pool_broken, mark_pool_done, pool_broken, pool_done, ready_record_key,
+                            reset_pool, write_slot)
 from spotlight.queue_worker import PREEMPTED_EXIT_CODE, term_with_parent
 from spotlight.store import RunStore
 from tasks.launcher import SkyLauncher, job_status, launcher_from_env, run_prefix
@@ -82,12 +82,14 @@ def _keep(pool: "LocalPool | SkyPool", meter: "ControllerMeter", stop: threading
 
 class ControllerMeter:
     """The controller's ledger entries (stage ``controller``): the seconds since the previous one, at the
-    price of the VM the flow runs on, with the S3 requests the flow's process sent meanwhile. Written
+    price of the VM the flow runs on, with the S3 requests the flow's process sent meanwhile (and, apart,
+    the time it spent waiting on stages and explorations with the requests of that waiting). Written
     every ``every_seconds`` and when the pool closes; the first covers the time since the process
     started (the controller is billed from its boot)."""
 
     def __init__(self, store: RunStore, instance: dict[str, Any], every_seconds: float = 60.0):
         self.every_seconds, self.last = every_seconds, process_start_time()
+        self.waited = (WAITING.seconds, WAITING.requests)
         write_slot(store, CONTROLLER, {"kind": CONTROLLER, "seen_at": time.time(), "seen_by": socket.gethostname(),
                                        **instance})
         self.ledger = Ledger(store, CONTROLLER, CONTROLLER, 0.0, slot=CONTROLLER)
@@ -95,8 +97,11 @@ class ControllerMeter:
     def tick(self, final: bool = False) -> None:
         now = time.time()
         if final or now - self.last >= self.every_seconds:
-            self.ledger.record(CONTROLLER, None, now - self.last, Outcome.OK, 0.0)
-            self.last = now
+            seconds, requests = WAITING.seconds, WAITING.requests
+            self.ledger.record(CONTROLLER, None, now - self.last, Outcome.OK, 0.0,
+                               waiting_seconds=seconds - self.waited[0],
+                               waiting_requests=(requests - self.waited[1]).as_dict())
+            self.last, self.waited = now, (seconds, requests)
 
 
 # -- local processes ------------------------------------------------------------------------------
