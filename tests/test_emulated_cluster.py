@@ -269,8 +269,8 @@ def test_emulated_cluster_bad_traces_fail_at_once_naming_them(tmp_path):
     with pytest.raises(EmulationError, match=r"us-west-2b_v100_1.json: data\[2\] = 'x'"):
         load_spec(_spec(tmp_path, traces=str(broken)))
     (broken / "us-west-2b_v100_1.json").unlink()
-    (broken / "us-west-2c_v100_1.json").unlink()  # the explorer's zone
-    with pytest.raises(EmulationError, match="no spot trace for zone.s. us-west-2c in"):
+    (broken / "us-west-2c_v100_1.json").unlink()  # the explorer's zone (us-west-2b: the second trainer's)
+    with pytest.raises(EmulationError, match="no spot trace for zone.s. us-west-2b, us-west-2c in"):
         load_spec(_spec(tmp_path, traces=str(broken)))
     with pytest.raises(EmulationError, match="no such file"):
         load_spec(tmp_path / "missing.json")
