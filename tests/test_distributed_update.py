@@ -36,7 +36,7 @@ def _node_env(tmp_path: Path, run_url: str, rank: int, port: int) -> dict[str, s
     env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}", PYTHONPATH=str(REPO),
                RUN_URL=run_url, SPOTLIGHT_SLOT="", IDLE_EXIT="300", MASTER_PORT=str(port), SKYPILOT_TASK_ID=TASK_ID,
                SKYPILOT_NUM_NODES="2", SKYPILOT_NODE_RANK=str(rank), SKYPILOT_NODE_IPS="127.0.0.1\n127.0.0.1",
-               SKYPILOT_NUM_GPUS_PER_NODE="1")
+               SKYPILOT_NUM_GPUS_PER_NODE="1", COLUMNS="400")  # COLUMNS: the stats table's title on one line
     return env
 
 

@@ -248,8 +248,13 @@ def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(t
         f"{stage} ${row['cost_usd']:.5f}" for stage, row in sorted(by_stage.items())) + "; preempted attempts: "
         + ", ".join(f"{e['stage']}-{e['iteration']} {e['seconds']:.1f}s" for e in preempted))
     waiting = cost.requests_per_second_waiting(entries)
-    print("S3 requests per process per second while waiting: " + ", ".join(
-        f"{who.rsplit('_', 1)[0][-24:]} {rate:.2f}" for who, rate in sorted(waiting.items())))
+    idle = Counter()
+    for e in entries:
+        idle[e.get("worker") or e["stage"]] += e.get("waiting_seconds" if e["stage"] == "controller" else "idle_seconds", 0)
+    print("S3 requests per process per second while waiting (waits of seconds, full of changes: see docs/cloud.md): "
+          + ", ".join(f"{who.rsplit('-', 2)[-2] if '-' in who else who}{who[-1] if '-' in who else ''} {rate:.2f} "
+                      f"over {idle[who]:.0f} s" for who, rate in sorted(waiting.items())))
+    assert set(waiting) >= {"controller"} and len(waiting) == 4
     summary = json.loads(store.read_bytes("report/summary.json"))
     assert summary["cost_usd"] == pytest.approx(cost.total(store)) and summary["cost_by_stage"]["update"]["attempts"] >= 6
 
