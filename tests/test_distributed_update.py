@@ -36,7 +36,7 @@ def _node_env(tmp_path: Path, run_url: str, rank: int, port: int) -> dict[str, s
     env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}", PYTHONPATH=str(REPO),
                RUN_URL=run_url, SPOTLIGHT_SLOT="", IDLE_EXIT="300", MASTER_PORT=str(port), SKYPILOT_TASK_ID=TASK_ID,
                SKYPILOT_NUM_NODES="2", SKYPILOT_NODE_RANK=str(rank), SKYPILOT_NODE_IPS="127.0.0.1\n127.0.0.1",
-               SKYPILOT_NUM_GPUS_PER_NODE="1", COLUMNS="400")  # COLUMNS: the stats table's title on one line
+               SKYPILOT_NUM_GPUS_PER_NODE="1")
     return env
 
 
@@ -68,9 +68,8 @@ def test_two_node_trainer_from_its_yaml_is_one_world_and_matches_single_process(
         outs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outs)
     worker = TASK_ID  # SPOTLIGHT_WORKER_ID=$SKYPILOT_TASK_ID in the run script
-    # one world, one worker id: rank 0 (on node 0) alone pulls, reports and is the ready worker
-    assert done["worker"] == worker and sum(o.count(f"trainer worker {worker} on") for o in outs) == 1
-    assert store.list("workers") == [f"{worker}.json"]
+    # one world, one worker id: rank 0 (on node 0) alone pulls and is the ready worker
+    assert done["worker"] == worker and store.list("workers") == [f"{worker}.json"]
     metrics = store.load("iterations/0000/update").json("metrics.json")
     assert metrics["data_parallel_processes"] == 2 and metrics["rollout_shards"] == 2  # each rank rolled out half
     # no lease freed by a peer: one epoch, never released (independent processes sharing the id would)
