@@ -99,6 +99,7 @@ def _mirror(url: str, local: Path, key: str, storage_options: dict[str, Any] | N
 
     options = s3_storage_options(storage_options) if url.startswith("s3://") else dict(storage_options or {})
     fs, root = fsspec.core.url_to_fs(url, **options)
+    fs.invalidate_cache()  # s3fs caches listings per process: read the bucket as it is now
     try:
         info = fs.info(root)
     except FileNotFoundError:

@@ -301,3 +301,47 @@ def test_launcher_from_env():
         sky_jobs_from_env({"SPOTLIGHT_SKY_JOBS": "tests.test_launcher"})
     with pytest.raises(ValueError, match="expected 'local' or 'sky'"):
         launcher_from_env({"SPOTLIGHT_LAUNCHER": "k8s"})
+
+
+@pytest.fixture
+def bucket(monkeypatch):
+    """A moto S3 server, reached the way the controller reaches a bucket: by env (the standard chain)."""
+    from tests.test_s3_store import Moto
+
+    server = Moto()
+    for key, value in {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "AKIAMOUNTS",
+                       "AWS_SECRET_ACCESS_KEY": "mounts-secret", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    server.start()
+    import boto3
+
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="weights")
+    yield s3
+    server.stop()
+
+
+def test_the_controller_checks_mounted_inputs_in_their_buckets_and_a_worker_at_its_paths(bucket, tmp_path):
+    """The controller has no mounts: it checks what the workers will see in the buckets (fsspec), with the
+    workers' own checks, and names the URL; a worker checks the paths it mounted, and names the bucket."""
+    from spotlight.config import ConfigError
+    from spotlight.mounts import check_mounted_inputs
+    from spotlight.worker import check_worker_inputs
+
+    mounted = tmp_path / "mnt" / "prompts"  # does not exist here: only a worker would have it
+    sets = [f"placement.mounts={{{mounted}: s3://weights/prompts}}", f"data.eval_prompts={mounted}/digits"]
+    cfg = load_config("configs/tiny.yaml", [f"run.url={RUN}", *sets])
+    bucket.put_object(Bucket="weights", Key="prompts/digits/train.txt", Body=b"a handwritten digit 1\n")
+    with pytest.raises(ConfigError, match=r"s3://weights/prompts/digits has no test.txt, test_metadata.jsonl"):
+        check_mounted_inputs(cfg)  # the prompt folder lacks its test split
+    bucket.put_object(Bucket="weights", Key="prompts/digits/test.txt", Body=b"a handwritten digit 1\n")
+    check_mounted_inputs(cfg)  # now it reads from the bucket, though the path is on no disk here
+    with pytest.raises(ConfigError, match=r"data.eval_prompts: s3://weights/prompts/elsewhere does not exist"):
+        check_mounted_inputs(load_config("configs/tiny.yaml", [f"run.url={RUN}", sets[0],
+                                                               f"data.eval_prompts={mounted}/elsewhere"]))
+    local = tmp_path / "prompts"  # a path on the controller's disk only: no cloud worker sees it
+    with pytest.raises(ConfigError, match=f"these inputs are on this machine only:\n  data.eval_prompts: {local}"):
+        check_mounted_inputs(load_config("configs/tiny.yaml", [f"run.url={RUN}", f"data.eval_prompts={local}"]))
+    # the worker, after mounting: a path that is not there fails naming it and the bucket behind it
+    with pytest.raises(ConfigError, match=rf"(?s){mounted}/digits.*is s3://weights/prompts/digits, mounted by placement"):
+        check_worker_inputs(cfg)
