@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -251,9 +252,9 @@ def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(t
     idle = Counter()
     for e in entries:
         idle[e.get("worker") or e["stage"]] += e.get("waiting_seconds" if e["stage"] == "controller" else "idle_seconds", 0)
+    label = {who: (m.group(0) if (m := re.search(r"(trainer|explorer)-\d{4}", who)) else who) for who in waiting}
     print("S3 requests per process per second while waiting (waits of seconds, full of changes: see docs/cloud.md): "
-          + ", ".join(f"{who.rsplit('-', 2)[-2] if '-' in who else who}{who[-1] if '-' in who else ''} {rate:.2f} "
-                      f"over {idle[who]:.0f} s" for who, rate in sorted(waiting.items())))
+          + ", ".join(f"{label[who]} {rate:.2f} over {idle[who]:.0f} s" for who, rate in sorted(waiting.items())))
     assert set(waiting) >= {"controller"} and len(waiting) == 4
     summary = json.loads(store.read_bytes("report/summary.json"))
     assert summary["cost_usd"] == pytest.approx(cost.total(store)) and summary["cost_by_stage"]["update"]["attempts"] >= 6
