@@ -239,7 +239,8 @@ def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(t
     controller = [e for e in entries if e["stage"] == "controller"]
     m6i = next(float(r["Price"]) for r in vm_rows("aws") if (r["InstanceType"], r["Region"]) == ("m6i.large", "us-east-1"))
     assert controller and all(e["price_per_hour"] == m6i for e in controller)
-    assert sum(e["seconds"] for e in controller) >= emulated_seconds * 0.9, "the controller is billed for its life"
+    pool_life = max(e["t"] for e in events if e["event"] == "exit") - min(e["t"] for e in events if e["event"] == "launch")
+    assert sum(e["seconds"] for e in controller) >= pool_life, "the controller is billed from its boot to the pool's end"
     boots = [e for e in entries if e["stage"] == "boot"]
     assert boots and all(e["setup_seconds"] > 0 for e in boots), "setup (pip install) is paid for in the boot entry"
     by_stage = cost.by_stage(entries)
