@@ -8,8 +8,13 @@ access log), by AWS billing class: PUT/COPY/POST/LIST, GET/HEAD/other, DELETE (f
 checkout has ``spotlight.store.request_counts`` (the store's own counter), its counts are printed too
 and must agree. Prices: S3 Standard, us-east-1 ($0.005 and $0.0004 per 1,000).
 
-What it does not show: latency (moto on localhost), LIST pages beyond the first 1,000 keys, or what
-a worker loop does between these calls (a poll is one call here; the loop's cadence sets the rate).
+The waiting rows are one look of a process that waits while every item of a 28-item queue is held:
+the controller waiting on the exploration (the baseline's loop: ``drained()`` and ``status()``; now
+``look()``) and an idle worker looking for an item (``claim()``, after a first look). The rates printed
+below the table put a look at the loop's cadence: the baseline's 0.5 s, now the longest pause (4 s).
+
+What it does not show: latency (moto on localhost), LIST pages beyond the first 1,000 keys, or the
+short-wait cadence (a tenth of the time waited, from 0.5 s: a busy run's waits look more often).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRICE = {"put": 0.005 / 1000, "get": 0.0004 / 1000}
 ITEMS = 28  # the issue's example: a 28-item exploration queue
+WAITING = ("a waiting controller's look", "an idle worker's look")
+PACE = {"this checkout": 4.0, "baseline": 0.5}  # seconds between two looks of a long wait
 
 
 def _free_port() -> int:
@@ -104,6 +111,12 @@ def measure() -> dict[str, dict[str, int]]:
     op("is_committed, not yet (a wait poll)", lambda: store.is_committed(key("update", 9)))
     op(f"queue.status(), {ITEMS} items leased (a wait poll)", queue.status)
     op(f"queue.claim(), {ITEMS} items leased (a scan)", lambda: queue.claim("explorer-1"))
+    waiter, idle = (WorkQueue(store, "queues/explore-0001", lease_seconds=3600) for _ in range(2))
+    look = getattr(waiter, "look", None) or (lambda: (waiter.drained(), waiter.status()))
+    look()
+    op(f"{WAITING[0]}, {ITEMS} items leased", look)
+    idle.claim("explorer-2")
+    op(f"{WAITING[1]}, {ITEMS} items leased", lambda: idle.claim("explorer-2"))
     op("checkpoints.prune(keep_last=2) after update(2)",
        lambda: checkpoints.prune(store, CheckpointSection(keep_last=2), 2, key))
     server.stop()
@@ -155,6 +168,12 @@ def main() -> None:
     console.print(table)
     console.print("'=' : the store's own counter (spotlight.store.request_counts) counted the same. A wait poll at "
                   "2 per second costs $ per 1M x 0.0072 per hour.", soft_wrap=True)
+    for what in WAITING:
+        for side, counts in results.items():
+            c = next(v for k, v in counts.items() if k.startswith(what))
+            n, usd = c["put"] + c["get"], c["put"] * PRICE["put"] + c["get"] * PRICE["get"]
+            console.print(f"{what} ({side}): {n} requests a look, a look every {PACE[side]:g} s: "
+                          f"{n / PACE[side]:.2f} requests/s, ${usd / PACE[side] * 3600:.4f} per hour", soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import typer
 from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
 from spotlight.console import console
 from spotlight.config import load_config
+from spotlight.mounts import check_mounted_inputs
 from spotlight.report import Summary
 from spotlight.run import check_inputs, compute_device
 from spotlight.store import RunStore, preflight
@@ -26,11 +27,12 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
         preflight(url)  # so does a store that cannot be reached or written (one line, exit 2)
     if os.environ.get("SPOTLIGHT_LAUNCHER", "local") == "local":
         compute_device(cfg.run.device)  # so does a device this machine does not have (its workers use it)
+        check_inputs(cfg)  # and missing prompt files or reward weights
     else:
         from spotlight.memory_plan import fit_placement
 
         fit_placement(cfg)  # and a placement whose accelerators cannot hold a worker (the flow drops the others)
-    check_inputs(cfg)  # and missing prompt files or reward weights
+        check_mounted_inputs(cfg)  # cloud workers read their inputs from the buckets placement.mounts maps
     from flows.post_train import BUDGET_CAPPED, post_train
 
     state = post_train(config_path=str(config), run_url=run_url, overrides=overrides, return_state=True)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -134,7 +135,12 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
            poll_seconds: Optional[float] = typer.Option(
                None, "--poll-seconds", help="how often to look for new work; default 0.02 s on a local store, "
                                             "0.5 s on S3 (or SPOTLIGHT_POLL_SECONDS)")) -> None:
-    """Work on a run as a long-lived worker: pull its work items until the run is done (SIGTERM-safe)."""
+    """Work on a run as a long-lived worker: pull its work items until the run is done (SIGTERM-safe).
+    Exits 0 when the run's flow is over (or it idled out), 143 when SIGTERM (a preemption) stopped it first."""
+    # SIGTERM while booting (imports, loading the model): nothing is held yet; leave as a preempted worker,
+    # never killed by the signal (SkyPilot would read -15, which recover_on_exit_codes does not list)
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))
+    from spotlight.queue_worker import exit_code
     from spotlight.worker import work_on_run
 
     if kind not in ("explorer", "trainer"):
@@ -152,10 +158,11 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
     table.add_row("stopped by SIGTERM", str(stats["stopped"]))
     Console().print(table)
     # Everything is committed: leave now. The interpreter's own teardown (torch and friends) takes
-    # seconds, which a preempted worker has not got before its kill -9.
+    # seconds, which a preempted worker has not got before its kill -9. Stopped by SIGTERM: not done, so
+    # not 0 (SkyPilot would record the job SUCCEEDED and never recover it).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(exit_code(run_url, stats["stopped"]))
 
 
 @app.command()

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from spotlight.config import Config
-from spotlight.pool import default_poll_seconds
+from spotlight.pool import WAITING, pacer, post_notice
 from spotlight.queue_worker import run_worker
 from spotlight.run import Run
 from spotlight.sampler import Rollout, sample_sde
@@ -49,25 +49,30 @@ def let_trainers_join(queue: WorkQueue, reason: str) -> None:
     try:
         queue.store.create_bytes(join_key(queue), json_bytes({"reason": reason, "at": time.time()}))
     except AlreadyExistsError:
-        pass
+        return
+    post_notice(queue.store, f"trainers may join {queue.prefix}")
 
 
 def trainers_may_join(queue: WorkQueue) -> bool:
     return queue.store.exists(join_key(queue))
 
 
-def open_queues(run: Run, final: set[str] | None = None) -> list[tuple[int, WorkQueue]]:
+def open_queues(run: Run, final: set[str] | None = None,
+                known: dict[str, WorkQueue] | None = None) -> list[tuple[int, WorkQueue]]:
     """Published exploration queues that still have unfinished items, oldest first. ``final`` caches the
-    names of drained queues (they never reopen), so a long run's history is not re-read every poll."""
+    names of drained queues (they never reopen), so a long run's history is not re-read every poll;
+    ``known`` the queues already seen (each remembers what it last saw: an unchanged one is one HEAD)."""
     final = set() if final is None else final
+    known = {} if known is None else known
     out = []
     for name in run.store.list(QUEUE_PREFIX):
         if name.startswith("explore-") and name not in final:
             t = int(name.removeprefix("explore-"))
-            queue = queue_for(run, t)
+            queue = known.setdefault(name, queue_for(run, t))
             if queue.published():
                 if queue.drained():
                     final.add(name)
+                    known.pop(name, None)
                 else:
                     out.append((t, queue))
     return out
@@ -155,28 +160,31 @@ def explore_queue(run: Run, t: int, queue: WorkQueue, items: list[dict[str, Any]
     ``placement.stall_seconds`` (every explorer gone) lets the trainers join, wherever they run.
     """
     queue.publish(items)
+    post_notice(run.store, f"published {queue.prefix}")
     started = time.perf_counter()
     inline_stats: dict[str, Any] | None = None
     joined = trainers_join is True
     if joined:
         let_trainers_join(queue, "the flow waits for this exploration")
-    last_done, last_progress, poll, status_at = -1, time.monotonic(), default_poll_seconds(run.store), 0.0
-    while not queue.drained():
-        if inline:
-            inline_stats = run_worker(queue, partial(explore_units, run, t, role="inline"), worker_id="inline")
-            continue
-        if not joined and isinstance(trainers_join, str) and run.store.is_committed(trainers_join):
-            let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
-            joined = True
-        if time.monotonic() - status_at >= 0.25:  # progress is read at most 4 times a second (it lists leases)
-            status_at = time.monotonic()
-            done = queue.status()["units_done"]
-            if done != last_done:
-                last_done, last_progress = done, time.monotonic()
+    last_progress, pace = time.monotonic(), pacer(run.store)
+    with WAITING.waiting():
+        while True:
+            changed, drained = queue.look()  # one HEAD while nothing changes
+            if drained:
+                break
+            if inline:
+                inline_stats = run_worker(queue, partial(explore_units, run, t, role="inline"), worker_id="inline")
+                continue
+            if changed:
+                last_progress = time.monotonic()
+                pace.reset()
+            if not joined and isinstance(trainers_join, str) and run.store.is_committed(trainers_join):
+                let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
+                joined = True
             elif not joined and time.monotonic() - last_progress > run.cfg.placement.stall_seconds:
                 let_trainers_join(queue, f"no progress for {run.cfg.placement.stall_seconds:g} s")
                 joined = True
-        time.sleep(poll)
+            time.sleep(pace.next())
     return {"wall_seconds": time.perf_counter() - started, "inline": inline_stats is not None,
             "trainers_joined": joined}
 

@@ -7,27 +7,101 @@ Layout, under the run store::
 
     pool/done.json           the flow is over: workers exit
     pool/broken.json         a worker could not be kept alive: waiting stages fail with it
+    pool/board.json          rewritten whenever the flow posts work or the pool changes: idle workers
+                             HEAD it instead of listing the run's queues
     pool/slots/{slot}.json   a worker slot's instance and price (written by the pool, read by the ledger)
     workers/{worker}.json    a worker is ready: imports done, run opened (host, pid, time)
+
+And how often anyone waiting on the store looks again (:class:`Pacer`): waiting costs requests, and S3
+bills each one.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import time
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
-from spotlight.store import RunStore, StoreError
+from spotlight.store import RequestCounts, RunStore, StoreError, json_bytes, request_counts
 
-POOL_DONE, POOL_BROKEN, POOL_SLOTS = "pool/done.json", "pool/broken.json", "pool/slots"
+POOL_DONE, POOL_BROKEN, POOL_SLOTS, BOARD = "pool/done.json", "pool/broken.json", "pool/slots", "pool/board.json"
+#: S3: look again after a tenth of the time waited so far, from half a second up to a few seconds
+S3_POLL, LOCAL_POLL = (0.5, 4.0), (0.02, 0.02)
+
+
+def poll_range(store: RunStore) -> tuple[float, float]:
+    """(shortest, longest) seconds between two looks at the store: a local disk is cheap to poll, S3
+    requests cost ~20 ms and money. ``SPOTLIGHT_POLL_SECONDS`` overrides it: ``LOW`` or ``LOW:HIGH``
+    (e.g. an S3-compatible server on the same machine)."""
+    default = LOCAL_POLL if store.is_local else S3_POLL
+    spec = os.environ.get("SPOTLIGHT_POLL_SECONDS")
+    if not spec:
+        return default
+    low, _, high = spec.partition(":")
+    return float(low), max(float(low), float(high) if high else default[1])
 
 
 def default_poll_seconds(store: RunStore) -> float:
-    """How often to look at the queue: a local disk is cheap to poll, S3 requests cost ~20 ms and money.
-    ``SPOTLIGHT_POLL_SECONDS`` overrides it (e.g. an S3-compatible server on the same machine)."""
-    if os.environ.get("SPOTLIGHT_POLL_SECONDS"):
-        return float(os.environ["SPOTLIGHT_POLL_SECONDS"])
-    return 0.02 if store.is_local else 0.5
+    """The shortest time between two looks at the store (:func:`poll_range`)."""
+    return poll_range(store)[0]
+
+
+@dataclass
+class Pacer:
+    """How long to wait before looking again: a tenth of the time waited since the last change (``reset``),
+    between ``low`` and ``high``. A change is then noticed at most ~10% (or ``low``) late, and a wait of T
+    seconds costs about 10 ln(T / 10 low) + T / high looks: O(log T) for the short waits of a busy run,
+    1/high per second for the long ones."""
+
+    low: float
+    high: float
+    since: float = field(default_factory=time.monotonic)
+
+    def reset(self) -> None:
+        self.since = time.monotonic()
+
+    def next(self) -> float:
+        return min(self.high, max(self.low, 0.1 * (time.monotonic() - self.since)))
+
+
+class WaitMeter:
+    """This process's time spent waiting on the store (for a stage, for an exploration) and the S3 requests
+    it sent meanwhile: what waiting costs, apart from the process's other work (the controller's ledger
+    entries carry it)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.requests = 0.0, RequestCounts()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        t0, r0 = time.monotonic(), request_counts()
+        try:
+            yield
+        finally:
+            self.seconds += time.monotonic() - t0
+            self.requests = self.requests + (request_counts() - r0)
+
+
+WAITING = WaitMeter()
+
+
+def pacer(store: RunStore, poll_seconds: float | None = None) -> Pacer:
+    """The store's :func:`poll_range`, or a flat ``poll_seconds``."""
+    return Pacer(*poll_range(store)) if poll_seconds is None else Pacer(poll_seconds, poll_seconds)
+
+
+def post_notice(store: RunStore, what: str) -> None:
+    """Rewrite the board (a new version each time): the flow posted work or the pool changed. Written after
+    the change it announces, so a worker that sees the new version and then lists finds it."""
+    store.write_bytes(BOARD, json_bytes({"what": what, "at": time.time(), "nonce": secrets.token_hex(8)}))
+
+
+def board_version(store: RunStore) -> str | None:
+    """The board's version (one HEAD): unchanged means nothing was posted since it was last read."""
+    return store.version(BOARD)
 
 
 def pool_done(store: RunStore) -> bool:
@@ -36,16 +110,19 @@ def pool_done(store: RunStore) -> bool:
 
 def mark_pool_done(store: RunStore, reason: str) -> None:
     store.put_json(POOL_DONE, {"reason": reason, "at": time.time()})
+    post_notice(store, "the pool is done")
 
 
 def reset_pool(store: RunStore) -> None:
     """A flow starting (or resuming) the run: workers are wanted again."""
     store.delete(POOL_DONE)
     store.delete(POOL_BROKEN)
+    post_notice(store, "the pool starts")
 
 
 def mark_pool_broken(store: RunStore, slot: str, reason: str) -> None:
     store.put_json(POOL_BROKEN, {"slot": slot, "reason": reason, "at": time.time()})
+    post_notice(store, f"the pool is broken ({slot})")
 
 
 def pool_broken(store: RunStore) -> dict[str, Any] | None:

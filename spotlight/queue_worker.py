@@ -20,11 +20,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
-from spotlight.store import StoreError
+from spotlight.store import RunStore, StoreError
 from spotlight.work_queue import Claim, LeaseLostError, WorkQueue
 
 #: computes an item's units: (item, units) -> (unit, result) as each unit is finished
 Handler = Callable[[dict[str, Any], list[str]], Iterator[tuple[str, Any]]]
+#: how a worker that SIGTERM stopped exits (128 + SIGTERM, as a shell reports it): never 0, which SkyPilot's
+#: jobs controller reads as SUCCEEDED (no recovery). The task YAMLs list it in ``recover_on_exit_codes``,
+#: so SkyPilot recovers the job even when it reads the exit before the preempted VM is gone.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 log = logging.getLogger(__name__)
 
 
@@ -52,6 +56,14 @@ class WorkerStats:
         for key in ("items_claimed", "units_done", "busy_seconds", "idle_seconds"):
             setattr(self, key, getattr(self, key) + other[key])
         self.stopped = self.stopped or other["stopped"]
+
+
+def exit_code(run_url: str, stopped: bool) -> int:
+    """How a run's worker exits: 0 when the run's flow is over (SIGTERM or not: the pool is done, and SkyPilot
+    may record SUCCEEDED), PREEMPTED_EXIT_CODE when SIGTERM stopped it while the run still needs it."""
+    from spotlight.pool import pool_done
+
+    return PREEMPTED_EXIT_CODE if stopped and not pool_done(RunStore(run_url)) else 0
 
 
 def term_with_parent() -> None:
@@ -118,11 +130,11 @@ def run_worker(queue: WorkQueue, handler: Handler, *, worker_id: str, batch_unit
         t0 = time.monotonic()
         claim = queue.claim(worker_id)
         if claim is None:
-            if queue.drained():
-                break
             idle_since = idle_since if idle_since is not None else t0
             if idle_exit_seconds is not None and time.monotonic() - idle_since >= idle_exit_seconds:
                 stats.idle_seconds += time.monotonic() - t0
+                break
+            if queue.drained():
                 break
             stop.wait(poll_seconds)
             stats.idle_seconds += time.monotonic() - t0

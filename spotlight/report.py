@@ -13,7 +13,7 @@ from matplotlib.figure import Figure  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from spotlight.cost import by_iteration, by_stage, cost_until, ledger  # noqa: E402
+from spotlight.cost import by_iteration, by_stage, cost_until, entry_cost, ledger  # noqa: E402
 from spotlight.run import Run  # noqa: E402
 from spotlight.store import RunStore, png_bytes  # noqa: E402
 
@@ -189,7 +189,7 @@ def write_report(run: Run, target: float | None = None) -> Summary:
         reward_curve=f"{store.url}/report/reward_curve.png",
         samples=f"{store.url}/report/samples_before_after.png",
         ranking_spearman=[(m["iteration"], m["spearman"], m["spearman_to_training"]) for m in rankings],
-        cost_usd=sum(e["cost_usd"] + e.get("idle_cost_usd", 0.0) for e in entries),
+        cost_usd=sum(entry_cost(e) for e in entries),
         cost_entries=len(entries),
         cost_by_stage=by_stage(entries),
         cost_by_iteration=sorted(by_iteration(entries).items(), key=lambda kv: -1 if kv[0] is None else kv[0]),

@@ -24,19 +24,21 @@ first (``WorkQueue.release_stale``).
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from spotlight.pool import default_poll_seconds, pool_broken
+from spotlight.pool import WAITING, pacer, pool_broken, post_notice
 from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
 from spotlight.work_queue import WorkQueue
 
 STAGE_PREFIX = "stages"
 TRAINER_STAGES = ("pretrain", "evaluate", "ranking", "update")  # the order a trainer takes open requests in
 _REQUEST = re.compile(r"([a-z]+)-(\d{4})-a(\d{2})")
+BROKEN_EVERY = 5.0  # seconds between two reads of the pool's broken marker while waiting on a stage
 
 
 class StageFailed(RuntimeError):
@@ -56,6 +58,7 @@ class StageRequest:
     iteration: int
     attempt: int
     lease_seconds: float = 60.0
+    _queue: WorkQueue | None = field(default=None, repr=False, compare=False)
 
     @property
     def prefix(self) -> str:
@@ -75,7 +78,11 @@ class StageRequest:
                 "attempt": self.attempt}
 
     def queue(self) -> WorkQueue:
-        return WorkQueue(self.store, self.prefix, lease_seconds=self.lease_seconds)
+        """The attempt's one-item queue (the same object each time: it remembers what it last saw)."""
+        if self._queue is None:
+            self._queue = WorkQueue(self.store, self.prefix, lease_seconds=self.lease_seconds)
+        self._queue.lease_seconds = self.lease_seconds
+        return self._queue
 
     def done(self) -> dict[str, Any] | None:
         """The done marker (worker, epoch, results), once a worker completed the stage."""
@@ -99,7 +106,8 @@ class StageRequest:
         try:
             self.store.create_bytes(f"{self.prefix}/failed.json", json_bytes(record))
         except AlreadyExistsError:
-            pass
+            return record
+        self.queue().mark_changed()
         return record
 
 
@@ -119,6 +127,7 @@ def post(store: RunStore, stage: str, t: int, lease_seconds: float) -> StageRequ
             return newest
     request = StageRequest(store, stage, t, (tried[-1] + 1) if tried else 1, lease_seconds)
     request.queue().publish([request.item])
+    post_notice(store, f"posted {request.name}")
     return request
 
 
@@ -126,45 +135,67 @@ def wait(request: StageRequest, poll_seconds: float | None = None,
          on_poll: Callable[[], None] | None = None, timeout_seconds: float | None = None) -> dict[str, Any]:
     """Wait for the stage's done marker and return it; raise StageFailed with the worker's error if the
     attempt failed, or with the pool's reason if a worker could not be kept alive (``on_poll``, called
-    about once a second, may raise too; ``timeout_seconds``: TimeoutError after that long)."""
-    poll = default_poll_seconds(request.store) if poll_seconds is None else poll_seconds
-    checks, deadline = 0, None if timeout_seconds is None else time.monotonic() + timeout_seconds
-    while True:
-        done = request.done()
-        if done is not None:
-            return done
-        failed = request.failure()
-        if failed is not None:
-            raise StageFailed(f"{request.stage} of iteration {request.iteration} (attempt {request.attempt}) failed "
-                              f"on worker {failed['worker']}: {failed['error']}\n"
-                              f"--- the worker's traceback (tail) ---\n{failed['traceback_tail'].rstrip()}", failed)
-        if checks % max(1, int(1.0 / max(poll, 1e-3))) == 0:  # about once a second
-            broken = pool_broken(request.store)
-            if broken is not None:
-                raise StageFailed(f"{request.stage} of iteration {request.iteration} cannot run: the worker pool is "
-                                  f"broken: {broken['reason']}", broken)
+    each look, may raise too; ``timeout_seconds``: TimeoutError after that long).
+
+    A look is one HEAD of the attempt's ``progress.json`` (the marker and the failure are read only when
+    it changed), paced by :class:`spotlight.pool.Pacer` (``poll_seconds``: flat instead); the pool's broken
+    marker is read every ``BROKEN_EVERY`` seconds."""
+    queue, pace = request.queue(), pacer(request.store, poll_seconds)
+    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+    broken_at = -math.inf
+    with WAITING.waiting():
+        while True:
+            changed, _ = queue.look()
+            if changed:
+                pace.reset()
+                done = request.done()
+                if done is not None:
+                    return done
+                failed = request.failure()
+                if failed is not None:
+                    raise StageFailed(f"{request.stage} of iteration {request.iteration} (attempt {request.attempt}) "
+                                      f"failed on worker {failed['worker']}: {failed['error']}\n"
+                                      f"--- the worker's traceback (tail) ---\n{failed['traceback_tail'].rstrip()}",
+                                      failed)
+            if time.monotonic() - broken_at >= BROKEN_EVERY:
+                broken_at = time.monotonic()
+                broken = pool_broken(request.store)
+                if broken is not None:
+                    raise StageFailed(f"{request.stage} of iteration {request.iteration} cannot run: the worker pool "
+                                      f"is broken: {broken['reason']}", broken)
             if on_poll is not None:
                 on_poll()
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"{request.name} not done within {timeout_seconds:g} s")
-        checks += 1
-        time.sleep(poll)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{request.name} not done within {timeout_seconds:g} s")
+            time.sleep(pace.next())
 
 
-def open_requests(store: RunStore, final: set[str] | None = None) -> list[StageRequest]:
+def open_requests(store: RunStore, final: set[str] | None = None,
+                  known: dict[str, StageRequest] | None = None) -> list[StageRequest]:
     """Posted attempts that are neither done nor failed, in the order trainers take them. ``final``
-    caches the names found done or failed (they never reopen), so a long run's history is read once."""
+    caches the names found done or failed (they never reopen), so a long run's history is read once;
+    ``known`` the requests already seen (their queues remember what they last saw: an unchanged one is
+    one HEAD)."""
     final = set() if final is None else final
+    known = {} if known is None else known
     out = []
     for name in store.list(STAGE_PREFIX):
         m = _REQUEST.fullmatch(name)
         if not m or name in final:
             continue
-        request = StageRequest(store, m.group(1), int(m.group(2)), int(m.group(3)))
-        if request.failure() is not None or store.exists(f"{request.prefix}/done/{request.item_id}"):
-            final.add(name)
+        request = known.setdefault(name, StageRequest(store, m.group(1), int(m.group(2)), int(m.group(3))))
+        if not request.queue().published():
             continue
-        if request.queue().published():
-            out.append(request)
+        if settled(request):
+            final.add(name)
+            known.pop(name, None)
+            continue
+        out.append(request)
     order = {s: i for i, s in enumerate(TRAINER_STAGES)}
     return sorted(out, key=lambda r: (r.iteration, order.get(r.stage, 99), r.attempt))
+
+
+def settled(request: StageRequest) -> bool:
+    """Done or failed (never to reopen): one HEAD while the attempt's queue does not change."""
+    changed, drained = request.queue().look()
+    return drained or (changed and request.failure() is not None)

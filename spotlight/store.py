@@ -161,9 +161,15 @@ class RequestCounts:
     def __sub__(self, other: "RequestCounts") -> "RequestCounts":
         return RequestCounts(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
+    def __add__(self, other: "RequestCounts") -> "RequestCounts":
+        return RequestCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
     @property
     def billed(self) -> int:
         return self.put + self.get
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def cost_usd(self, price_per_1000: dict[str, float] = S3_PRICE_PER_1000) -> float:
         return sum(getattr(self, k) * price / 1000 for k, price in price_per_1000.items())
@@ -362,6 +368,23 @@ class RunStore:
             return False
         return True
 
+    def version(self, key: str) -> str | None:
+        """A token that changes whenever the object is written again (its ETag on S3: one HEAD), or None
+        if it does not exist: what a poller compares to learn, cheaply, that something changed."""
+        if self.is_local:
+            try:
+                st = os.stat(self.path(key))  # every write is a new file (temp + rename): a new inode
+            except FileNotFoundError:
+                return None
+            return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+        bucket, obj, _ = self.fs.split_path(self.path(key))
+        try:
+            head = self._retry(f"version of {self.url}/{key}",
+                               lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=obj))
+        except FileNotFoundError:
+            return None
+        return str(head["ETag"])
+
     def read_bytes(self, key: str, small: bool = False) -> bytes:
         """``small`` (the object is under s3fs's block size): one GET on S3, where s3fs otherwise sends a
         HEAD first to decide whether to split the read into concurrent ranges."""
@@ -440,6 +463,34 @@ class RunStore:
             names += [o["Key"][len(start):] for o in page.get("Contents", [])]
             names += [p["Prefix"][len(start):].rstrip("/") for p in page.get("CommonPrefixes", [])]
         return sorted(n for n in names if n)
+
+    def list_tree(self, prefix: str) -> dict[str, float]:
+        """Every object under ``prefix`` at any depth, by its key relative to ``prefix``, with when it was last
+        written (epoch seconds; S3's LastModified). On S3 one ListObjectsV2 per 1,000 keys, however deep."""
+        path = self.path(prefix).rstrip("/")
+        if self.is_local:
+            out = {}
+            for folder, _, files in os.walk(path):
+                for name in files:
+                    full = os.path.join(folder, name)
+                    try:
+                        out[os.path.relpath(full, path)] = os.stat(full).st_mtime
+                    except FileNotFoundError:  # removed while walking
+                        continue
+            return out
+        bucket, key, _ = self.fs.split_path(path)
+        start = f"{key}/" if key else ""
+
+        def pages() -> dict[str, float]:
+            out, page = {}, {"NextContinuationToken": None}
+            while "NextContinuationToken" in page:
+                token = page["NextContinuationToken"]
+                page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=start,
+                                       **({"ContinuationToken": token} if token else {}))
+                out.update({o["Key"][len(start):]: o["LastModified"].timestamp() for o in page.get("Contents", [])})
+            return out
+
+        return self._retry(f"list {self.url}/{prefix}", pages)
 
     # -- commits ---------------------------------------------------------------------------
     def is_committed(self, name: str) -> bool:

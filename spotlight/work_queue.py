@@ -11,19 +11,29 @@ same code is correct on a local disk (``os.link``, like ``O_EXCL``) and on S3 (`
     {prefix}/leases/{item}/{epoch}-released     the holder handed the item back (SIGTERM path)
     {prefix}/units/{item}/{unit}                one finished unit's result; the first write wins
     {prefix}/done/{item}                        the completion marker; exactly one worker creates it
+    {prefix}/progress.json, freed.json          signals: rewritten on every change / when an item is handed back
 
 A claim creates the next epoch's ``-000000`` object, so two workers can never hold the same epoch; a
 holder that finds a newer epoch has lost its lease (it was presumed dead) and stops. Expiry compares
 the holder's ``expires`` with the claimant's clock, so worker clocks must agree to well within a lease
 (NTP does). Units are recorded create-only and results are deterministic per unit, so a unit computed
 twice (by a zombie holder and its successor) is harmless: the first result is kept.
+
+Waiting is cheap (O(1) requests a look, whatever the queue's size): a worker's ``claim`` on a queue whose
+items are all held costs one HEAD of ``freed.json`` until an item is handed back or a lease it saw could
+have expired (then one LIST of all leases, however many items); ``drained`` and ``changed`` cost one HEAD
+of ``progress.json`` until the queue changes. Every change writes its state first and the signal after,
+with a body of its own, so a reader that sees a signal's new version and then reads finds the change.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,6 +43,8 @@ from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
 
 NAME = re.compile(r"[A-Za-z0-9_=+-]{1,200}")  # no dots: temp files of in-flight local writes contain one
 LEASE = re.compile(r"(\d{6})-(\d{6}|released)")
+PROGRESS, FREED = "progress.json", "freed.json"  # signals: any change; an item handed back (or published)
+log = logging.getLogger(__name__)
 
 
 class QueueError(StoreError):
@@ -80,6 +92,8 @@ class WorkQueue:
     _items: list[dict[str, Any]] | None = field(default=None, repr=False)
     _unit_cache: dict[str, Any] = field(default_factory=dict, repr=False)
     _done_cache: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _idle_look: tuple[str | None, float] = field(default=(None, 0.0), repr=False)  # freed.json, until when
+    _seen: tuple[str | None, set[str]] | None = field(default=None, repr=False)  # progress.json, done markers
 
     def __post_init__(self) -> None:
         self.prefix = self.prefix.strip("/")
@@ -93,6 +107,7 @@ class WorkQueue:
         key = f"{self.prefix}/items"
         if not self.store.is_committed(key):
             self.store.commit(key, {"items.json": json_bytes(items)}, {"items": len(items)})
+            self._signal(PROGRESS, FREED)
         published = self.store.load(key).json("items.json")
         if published != json.loads(json_bytes(items)):
             raise QueueError(f"{self.store.url}/{self.prefix} already holds {len(published)} other items; "
@@ -100,7 +115,7 @@ class WorkQueue:
         self._items = published
 
     def published(self) -> bool:
-        return self._items is not None or self.store.is_committed(f"{self.prefix}/items")
+        return bool(self.items())
 
     def items(self) -> list[dict[str, Any]]:
         """The published items (empty before publish); cached, since a published queue is immutable."""
@@ -118,17 +133,35 @@ class WorkQueue:
 
     # -- leases ------------------------------------------------------------------------------
     def claim(self, worker: str) -> Claim | None:
-        """Claim an unfinished item whose lease is free (never claimed, released or expired), or None."""
+        """Claim an unfinished item whose lease is free (never claimed, released or expired), or None.
+
+        When the last look found nothing free, the next costs one HEAD (``freed.json``) until an item is
+        handed back or a lease seen then may have expired; a full look is one LIST of the done markers and
+        one of all leases, then the exact check (the holder's own ``expires``) of the items that look free."""
         _check_name(worker, "worker")
         items = self.items()
+        if not items:
+            return None
+        freed = self.store.version(self._signal_key(FREED))
+        seen, until = self._idle_look
+        if freed is not None and freed == seen and self.clock() < until:
+            return None
         done = self._done()
+        # the store's write times are wall-clock: with an injected clock (tests), every item is checked exactly
+        leases = self._all_leases() if self.clock is time.time else {}
         # Each worker scans from its own offset, so workers starting together rarely collide.
         start = int(hashlib.sha256(worker.encode()).hexdigest(), 16) % max(len(items), 1)
+        held_until = math.inf
         for item in items[start:] + items[:start]:
             if item["id"] in done:
                 continue
+            seen_until = leases.get(item["id"])
+            if seen_until is not None and self.clock() < seen_until:
+                held_until = min(held_until, seen_until)
+                continue
             state = self._lease_state(item["id"])
             if not state.free(self.clock()):
+                held_until = min(held_until, state.expires)
                 continue
             epoch = 0 if state.epoch is None else state.epoch + 1
             expires = self.clock() + self.lease_seconds
@@ -137,8 +170,56 @@ class WorkQueue:
                                         json_bytes({"worker": worker, "epoch": epoch, "renewal": 0, "expires": expires}))
             except AlreadyExistsError:
                 continue  # another worker claimed this epoch first
+            self._idle_look = (None, 0.0)
+            self._signal(PROGRESS)
             return Claim(item, worker, epoch, expires)
+        self._idle_look = (freed, held_until)
         return None
+
+    def _all_leases(self) -> dict[str, float]:
+        """Per item with a live-looking lease, when it looks free (one LIST of every lease object): the newest
+        epoch's last write plus a lease, or nothing if that epoch was released."""
+        newest: dict[str, tuple[int, bool, float]] = {}
+        for key, written in self.store.list_tree(f"{self.prefix}/leases").items():
+            item, _, name = key.rpartition("/")
+            m = LEASE.fullmatch(name)
+            if not m:
+                continue
+            epoch, released = int(m.group(1)), m.group(2) == "released"
+            old = newest.get(item)
+            if old is None or epoch > old[0]:
+                newest[item] = (epoch, released, written)
+            elif epoch == old[0]:
+                newest[item] = (epoch, old[1] or released, max(old[2], written))
+        return {item: written + self.lease_seconds for item, (_, released, written) in newest.items() if not released}
+
+    def look(self) -> tuple[bool, bool]:
+        """(changed since the previous look, drained): one HEAD of ``progress.json``; the done markers are
+        listed again only when it changed. A change is a claim, a hand-back, recorded units, a completion
+        or a failure (``mark_changed``); the first look says changed."""
+        items = self.items()
+        version = self.store.version(self._signal_key(PROGRESS))
+        changed = self._seen is None or version is None or version != self._seen[0]
+        if changed:
+            self._seen = (version, self._done())
+        return changed, bool(items) and len(self._seen[1]) == len(items)
+
+    def mark_changed(self) -> None:
+        """Tell the queue's watchers something changed (e.g. a stage attempt recorded its failure)."""
+        self._signal(PROGRESS)
+
+    def _signal_key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def _signal(self, *names: str) -> None:
+        """Rewrite signal objects after a change (each body unique, so each write is a new version). A hint:
+        a failed write only delays a reader until it looks in full (a lease's expiry), and is logged."""
+        body = json_bytes({"at": self.clock(), "nonce": secrets.token_hex(8)})
+        for name in names:
+            try:
+                self.store.write_bytes(self._signal_key(name), body)
+            except (StoreError, OSError) as e:
+                log.warning("%s/%s not written: %s", self.prefix, name, e)
 
     def renew(self, claim: Claim) -> None:
         """Extend the lease by lease_seconds (heartbeat); raises LeaseLostError if it was taken over."""
@@ -155,7 +236,8 @@ class WorkQueue:
             self.store.create_bytes(f"{self.prefix}/leases/{claim.item_id}/{claim.epoch:06d}-released",
                                     json_bytes({"worker": claim.worker, "epoch": claim.epoch, "at": self.clock()}))
         except AlreadyExistsError:
-            pass
+            return
+        self._signal(PROGRESS, FREED)
 
     def release_stale(self, worker: str) -> list[str]:
         """Release the items whose newest lease ``worker`` holds: called by a worker as it starts, so the
@@ -234,6 +316,8 @@ class WorkQueue:
                 continue
             claim.recorded[unit] = json.loads(data)["result"]  # as a reader will see it
             new += 1
+        if new:
+            self._signal(PROGRESS)
         return new
 
     def complete(self, claim: Claim) -> bool:
@@ -250,9 +334,10 @@ class WorkQueue:
         try:
             self.store.create_bytes(f"{self.prefix}/done/{claim.item_id}", json_bytes(
                 {"worker": claim.worker, "epoch": claim.epoch, "at": self.clock(), "results": results}))
-            return True
         except AlreadyExistsError:
             return False
+        self._signal(PROGRESS)
+        return True
 
     def done_by(self, item_id: str) -> str | None:
         """The worker whose complete() won for the item, or None if not done."""
@@ -292,9 +377,8 @@ class WorkQueue:
                 "units_total": sum(len(it["units"]) for it in items)}
 
     def drained(self) -> bool:
-        """All items done (False before publish: there is work to wait for)."""
-        items = self.items()
-        return bool(items) and len(self._done()) == len(items)
+        """All items done (False before publish: there is work to wait for): :meth:`look`'s answer."""
+        return self.look()[1]
 
     def _done(self) -> set[str]:
         return {n for n in self.store.list(f"{self.prefix}/done") if NAME.fullmatch(n)}

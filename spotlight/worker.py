@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
 import signal
@@ -27,16 +28,19 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 from spotlight import stages
-from spotlight.cost import Ledger, Outcome
+from spotlight.cost import Ledger, Outcome, process_start_time
 from spotlight.exploration import explore_units, open_queues, trainers_may_join
-from spotlight.pool import default_poll_seconds, pool_done, ready_record_key
+from spotlight.pool import Pacer, board_version, poll_range, pool_done, ready_record_key
 from spotlight.queue_worker import Handler, WorkerStats, run_worker, work_item
-from spotlight.run import Run, distributed, open_run_from_url
+from spotlight.config import ConfigError
+from spotlight.mounts import bucket_url, input_paths
+from spotlight.run import Run, check_inputs, distributed, open_run_from_url
 from spotlight.stage_queue import StageRequest, open_requests
 from spotlight.store import Commit
 from spotlight.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
+LIST_AT_LEAST_EVERY = 60.0  # seconds: an idle worker lists the posted work this often even if the board is quiet
 
 #: what a trainer runs for each stage it takes from the stage queue
 STAGE_FUNCTIONS: dict[str, Callable[[Run, int], Commit | None]] = {
@@ -78,16 +82,6 @@ class _Signals:
             self.armed = False
 
 
-def _process_start_time() -> float:
-    """When this process started (Linux: /proc), so a worker's boot (imports, run opened) is paid for."""
-    try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
 def _control_group() -> ModuleType:
     """The process group of a trainer launched as several processes (``accelerate launch`` / torchrun on
     a multi-GPU or multi-node trainer): rank 0 pulls the work and tells the other ranks what to run.
@@ -122,6 +116,17 @@ def _follow_rank_0(run: Run, dist: ModuleType, worker_id: str) -> dict[str, Any]
         stats.busy_seconds += time.monotonic() - t0
 
 
+def check_worker_inputs(cfg: Any) -> None:
+    """The inputs as this worker sees them (a cloud worker: through its mounts), before it takes work: a
+    missing or wrong one fails here, naming the path and the bucket mounted there."""
+    try:
+        check_inputs(cfg)
+    except ConfigError as e:
+        mounted = {path: url for path in input_paths(cfg).values() if (url := bucket_url(cfg, path))}
+        raise ConfigError(f"{e}" + "".join(f"\n({path} is {url}, mounted by placement.mounts)"
+                                           for path, url in mounted.items() if path in str(e))) from None
+
+
 def _pull_outcome(stats: dict[str, Any] | None) -> Outcome:
     """How a pull of an exploration queue ended (``stats``: :func:`run_worker`'s, None if it raised)."""
     if stats is None:
@@ -137,38 +142,65 @@ class _Worker:
     """One worker process working on a run: what it takes next, and how each attempt is paid for."""
 
     def __init__(self, run: Run, worker_id: str, kind: str, signals: _Signals, ledger: Ledger, lease_seconds: float,
-                 poll_seconds: float, dist: ModuleType | None):
+                 poll: tuple[float, float], dist: ModuleType | None):
         self.run, self.worker_id, self.kind, self.signals, self.ledger = run, worker_id, kind, signals, ledger
         self.stop = signals.stop
-        self.lease_seconds, self.poll_seconds = lease_seconds, poll_seconds
+        self.lease_seconds, (self.poll_seconds, self.poll_high) = lease_seconds, poll
         self.dist = dist  # a multi-process trainer's rank 0 tells the other ranks what to run
         self.total = WorkerStats(worker_id)
         self.finals: set[str] = set()   # stage attempts seen done or failed (they never reopen)
         self.drained: set[str] = set()  # exploration queues seen drained (they never reopen)
+        # What was posted, as of the last listing (redone when the pool's board changes): an idle look
+        # is then one HEAD of the board and one per open queue, whatever the queues' sizes.
+        self.known_requests: dict[str, StageRequest] = {}
+        self.known_queues: dict[str, WorkQueue] = {}
+        self.requests: list[StageRequest] = []
+        self.explorations: list[tuple[int, WorkQueue]] = []
+        self.board: str | None = None
+        self.listed_at, self.over = -math.inf, False
 
     def release_stale(self) -> None:
         """A previous life of this worker (same name: a SkyPilot recovery, a relaunched process) held leases
         that nobody will renew: free them now rather than after they expire."""
-        for request in open_requests(self.run.store, self.finals):
+        for request in open_requests(self.run.store, self.finals, self.known_requests):
             request.queue().release_stale(self.worker_id)
-        for _, queue in open_queues(self.run, self.drained):
+        for _, queue in open_queues(self.run, self.drained, self.known_queues):
             queue.release_stale(self.worker_id)
+
+    def _list_work(self) -> None:
+        """What the flow has posted: listed again only when the pool's board changed (the flow posted a
+        stage or an exploration, let the trainers join one, or ended), or a minute after the last listing
+        (a safety net); otherwise the last listing stands."""
+        board = board_version(self.run.store)
+        if board is not None and board == self.board and time.monotonic() - self.listed_at < LIST_AT_LEAST_EVERY:
+            return
+        self.board, self.listed_at = board, time.monotonic()
+        self.over = pool_done(self.run.store)
+        self.requests = open_requests(self.run.store, self.finals, self.known_requests) if self.kind == "trainer" else []
+        self.explorations = [(t, q) for t, q in open_queues(self.run, self.drained, self.known_queues)
+                             if self.kind == "explorer" or trainers_may_join(q)]
 
     def work(self, idle_exit_seconds: float) -> dict[str, Any]:
         """Take work until the run's flow is over, SIGTERM, or nothing to take for ``idle_exit_seconds``.
 
         Each round: a trainer takes a posted stage first, else (either kind) exploration items; with
-        nothing to take, it waits one poll. The idle tail is the worker's last ledger entry."""
-        idle_since = time.monotonic()
+        nothing to take, it waits (a tenth of the time it has waited, up to a few seconds on S3:
+        :class:`spotlight.pool.Pacer`). The idle tail is the worker's last ledger entry."""
+        idle_since, pace = time.monotonic(), Pacer(self.poll_seconds, max(self.poll_seconds, self.poll_high))
         try:
-            while not self.stop.is_set() and not pool_done(self.run.store):
+            while not self.stop.is_set():
+                self._list_work()
+                if self.over:
+                    break
                 if (self.kind == "trainer" and self._take_stage()) or self._take_exploration():
                     idle_since = time.monotonic()
+                    pace.reset()
+                    self.listed_at = -math.inf  # after work, look for what was posted meanwhile
                 elif time.monotonic() - idle_since >= idle_exit_seconds:
                     break
                 else:
                     t0 = time.monotonic()
-                    self.stop.wait(self.poll_seconds)
+                    self.stop.wait(pace.next())
                     self.total.idle_seconds += time.monotonic() - t0
         except Preempted:
             pass  # the stage in hand was released; its attempt is in the ledger
@@ -189,7 +221,7 @@ class _Worker:
         3. The attempt is in the ledger however it ended. A failure is recorded with the attempt (the
            flow's waiting task raises it) and the worker goes on; Preempted goes up: the worker exits.
         """
-        for request in open_requests(self.run.store, self.finals):
+        for request in self.requests:
             request.lease_seconds = self.lease_seconds
             queue = request.queue()
             claim = queue.claim(self.worker_id)
@@ -216,25 +248,32 @@ class _Worker:
         return handle
 
     def _attempt_stage(self, request: StageRequest) -> dict[str, Any]:
-        """Run the attempt's stage (its function commits the step) and return the done marker's result."""
+        """Run the attempt's stage (its function commits the step) and return the done marker's result. The
+        attempt's ledger entry is written before its outcome is visible (the done marker, the failure), so
+        whoever sees the outcome sees the bill."""
         idle, t0, outcome = self.ledger.idle(), time.time(), Outcome.FAILED
+
+        def bill() -> None:
+            self.ledger.record(request.stage, None if request.stage == "pretrain" else request.iteration,
+                               time.time() - t0, outcome, idle, attempt=request.attempt)
         try:
             if self.dist is not None and request.stage == "update":  # every rank trains its share
                 self.dist.broadcast_object_list([(request.stage, request.iteration)], src=0)
             with self.signals.abortable():
                 commit = STAGE_FUNCTIONS[request.stage](self.run, request.iteration)
             outcome = Outcome.OK
+            bill()
             return {"commit": None if commit is None else commit.name, "worker": self.worker_id,
                     "seconds": time.time() - t0}
         except Preempted:
             outcome = Outcome.PREEMPTED
+            bill()
             raise
         except Exception as e:
-            request.fail(self.worker_id, e, seconds=time.time() - t0)
+            seconds = time.time() - t0
+            bill()
+            request.fail(self.worker_id, e, seconds=seconds)
             raise
-        finally:
-            self.ledger.record(request.stage, None if request.stage == "pretrain" else request.iteration,
-                               time.time() - t0, outcome, idle, attempt=request.attempt)
 
     # -- exploration items ---------------------------------------------------------------------------
     def _take_exploration(self) -> bool:
@@ -248,9 +287,7 @@ class _Worker:
         4. A trainer goes back to the stages after the first queue it explored in.
         """
         worked = False
-        for t, queue in open_queues(self.run, self.drained):
-            if self.kind == "trainer" and not trainers_may_join(queue):
-                continue
+        for t, queue in self.explorations:
             if self._pull(t, queue)["items_claimed"]:
                 worked = True
                 if self.kind == "trainer":
@@ -282,7 +319,8 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     ``explorer``: exploration items of every open exploration queue. ``trainer``: the stages the flow
     posts, oldest first, and, when there is none, the items of explorations the trainers may join (the
     flow waits for them). ``lease_seconds`` None: the run's ``placement.lease_seconds``; ``poll_seconds``
-    None: ``pool.default_poll_seconds``. ``slot``: the pool's name for this worker (its instance record).
+    None: the store's ``pool.poll_range`` (a flat ``poll_seconds`` otherwise). ``slot``: the pool's name
+    for this worker (its instance record).
 
     1. Open the run (a wrong URL fails here, naming it); a multi-process trainer's ranks > 0 follow rank 0.
     2. Handle SIGTERM, write the ready record and the boot's ledger entry, free a previous life's leases.
@@ -290,8 +328,11 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     """
     if kind not in ("explorer", "trainer"):
         raise ValueError(f"worker kind {kind!r}: expected explorer or trainer")
-    started = _process_start_time()
+    started = process_start_time()
+    # SkyPilot ran the task's setup (pip install ...) before this process: sky/*.yaml note when it began
+    setup_started = min(float(os.environ.get("SPOTLIGHT_SETUP_STARTED_AT") or started), started)
     run = open_run_from_url(run_url)
+    check_worker_inputs(run.cfg)
     # a store key: SKYPILOT_TASK_ID or a hostname may hold characters the queue does not allow
     worker_id = re.sub(r"[^A-Za-z0-9_=+-]", "-", worker_id or f"{socket.gethostname()}-{os.getpid()}")
     dist = _control_group() if kind == "trainer" and distributed() else None
@@ -302,10 +343,10 @@ def work_on_run(run_url: str, worker_id: str | None = None, lease_seconds: float
     ledger = Ledger(run.store, worker_id, kind, getattr(run.cfg.placement, kind).price_per_hour,
                     slot or os.environ.get("SPOTLIGHT_SLOT"))
     worker = _Worker(run, worker_id, kind, signals, ledger, lease_seconds or run.cfg.placement.lease_seconds,
-                     default_poll_seconds(run.store) if poll_seconds is None else poll_seconds, dist)
+                     poll_range(run.store) if poll_seconds is None else (poll_seconds, poll_seconds), dist)
     # ready: imports done and the run opened (the flow waits for its local workers to get here)
     run.store.put_json(ready_record_key(worker_id), {"worker": worker_id, "kind": kind, "host": socket.gethostname(),
                                                      "pid": os.getpid(), "ready_at": time.time()})
-    ledger.record("boot", None, time.time() - started, Outcome.OK, 0.0)
+    ledger.record("boot", None, time.time() - setup_started, Outcome.OK, 0.0, setup_seconds=started - setup_started)
     worker.release_stale()
     return worker.work(idle_exit_seconds)

@@ -16,30 +16,52 @@ controller finds its workers instead of starting more:
   (``job_group``): SkyPilot cancels the workers when the controller job ends, fails or is cancelled;
 * ``cancel_run`` cancels every active job of the run (also the flow's ``tear_down_pool`` hook).
 
-Every call into SkyPilot's jobs API goes through ``SkyJobs``: the one seam tests replace. Its records
-carry the job's resources (cloud, region, zone, instance type, spot), which price the cost ledger.
+Every call into SkyPilot's jobs API goes through ``SkyJobs``: the one seam tests replace. It returns
+SkyPilot's own records (``sky.jobs.queue_v2``'s ``ManagedJobRecord``, ``sky.status``'s ``StatusResponse``);
+everything read from them is read here, the same way for the real API and for a stand-in: the job's
+status as SkyPilot's ``ManagedJobStatus``, its resources from the string SkyPilot formats
+(``resources_utils.get_readable_resources_repr``: ``1x[spot](gpus=L4:1, cpus=4, mem=16, g6.xlarge,
+disk=100)``), which price the cost ledger, and the timestamps that say how long it was provisioning.
 ``SPOTLIGHT_SKY_JOBS=module:attribute`` names another implementation of the seam (the tests' emulated
-cluster runs each job as a local process of its ``run:`` command).
+cluster runs each job as a local process of its ``setup:`` and ``run:`` commands).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import importlib
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from spotlight.config import Config, config_from_dict
 from tasks.sky_task import REQUIRED_SECRETS, SKY_DIR, WORKER_YAMLS, worker_task_config
 
-SUCCEEDED, CANCELLED, CANCELLING = "SUCCEEDED", "CANCELLED", "CANCELLING"
-FAILED = frozenset({"FAILED", "FAILED_SETUP", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE", "FAILED_CONTROLLER"})
-ACTIVE = frozenset({"PENDING", "SUBMITTED", "STARTING", "RUNNING", "RECOVERING", "WINDING_DOWN", CANCELLING})
-TERMINAL = FAILED | {SUCCEEDED, CANCELLED}
+if TYPE_CHECKING:  # SkyPilot is imported when a job is launched or read, not when the flow loads
+    from sky.jobs.state import ManagedJobStatus
+
+#: SkyPilot's resources string (``resources_utils.format_resource``, prefixed ``{nodes}x`` by
+#: ``get_readable_resources_repr``): nodes, spot, then ``gpus=``, ``cpus=``, ``mem=``, the instance type, ...
+RESOURCES = re.compile(r"(?:(?P<nodes>\d+)x)?(?P<spot>\[spot\])?\((?P<inside>.*)\)")
+#: what a job record carries through to the pool and the ledger
+TIMESTAMPS = ("submitted_at", "start_at", "end_at", "last_recovered_at", "job_duration")
+
+
+@functools.cache
+def job_status() -> type[ManagedJobStatus]:
+    """SkyPilot's ``ManagedJobStatus`` (imported on first use: the local launcher never needs SkyPilot)."""
+    from sky.jobs.state import ManagedJobStatus
+
+    return ManagedJobStatus
+
+
+def is_active(status: ManagedJobStatus) -> bool:
+    """Not terminal: the job is (or will be) the worker."""
+    return not status.is_terminal()
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:
@@ -59,24 +81,44 @@ class SkyJobFailed(RuntimeError):
         self.name, self.record, self.status = name, dict(record), record.get("status")
         reason = record.get("failure_reason") or "no reason given"
         super().__init__(
-            f"managed job {name} (id {record.get('job_id')}) ended {self.status} after "
+            f"managed job {name} (id {record.get('job_id')}) ended {getattr(self.status, 'value', self.status)} after "
             f"{record.get('recovery_count') or 0} recoveries: {reason}\n"
             f"--- last lines of its log ---\n{log_tail.rstrip() or '(no log)'}")
 
 
 def parse_resources(record: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A job record's resources as the ledger prices them: cloud, region, zone, instance type, accelerators,
-    spot. SkyPilot's ``cluster_resources_full`` reads like ``[spot](gpus=L4:1, cpus=4, mem=16, g6.xlarge, disk=100)``."""
+    """What a SkyPilot record says a job (or cluster) runs on: cloud, region, zone, instance type,
+    accelerators, spot, nodes; None before it has a cluster. The string is SkyPilot's own
+    (``cluster_resources_full`` of a managed job, ``resources_str_full`` of a cluster); one it does not
+    format that way is an error, never a guess (an on-demand price for a spot node, say)."""
     cloud = record.get("cloud")
-    if not cloud or cloud == "-":
+    full = str(record.get("cluster_resources_full") or record.get("resources_str_full") or "").strip()
+    if not cloud or cloud == "-" or not full or full == "-":
         return None
-    full = str(record.get("cluster_resources_full") or record.get("cluster_resources") or "")
-    inside = full[full.find("(") + 1: full.rfind(")")] if "(" in full else ""
-    plain = [p.strip() for p in inside.split(",") if p.strip() and "=" not in p and p.strip() != "..."]
-    accelerators = record.get("accelerators") or {}
+    m = RESOURCES.fullmatch(full)
+    if m is None:
+        raise ValueError(f"SkyPilot's resources string {full!r} is not in the form "
+                         "resources_utils.get_readable_resources_repr writes ({nodes}x[spot](gpus=..., ...))")
+    plain = [p.strip() for p in m["inside"].split(", ") if p.strip() and "=" not in p and p.strip() != "..."]
     return {"cloud": str(cloud), "region": record.get("region"), "zone": record.get("zone"),
-            "instance_type": plain[0] if plain else None, "accelerators": dict(accelerators),
-            "use_spot": full.startswith("[spot]")}
+            "instance_type": plain[0] if plain else None, "accelerators": dict(record.get("accelerators") or {}),
+            "use_spot": m["spot"] is not None, "nodes": int(m["nodes"] or 1)}
+
+
+def job_view(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``ManagedJobRecord`` as the pool reads it: status as ``ManagedJobStatus``, resources parsed (None
+    with ``resources_error`` if SkyPilot's string cannot be read), the provisioning timestamps."""
+    record = record if isinstance(record, Mapping) else record.model_dump()
+    status = record.get("status")
+    view = {"job_id": record.get("job_id"), "job_name": record.get("job_name"),
+            "status": status if isinstance(status, job_status()) else job_status()(status),
+            "recovery_count": record.get("recovery_count") or 0, "failure_reason": record.get("failure_reason"),
+            **{k: record.get(k) for k in TIMESTAMPS}}
+    try:
+        view["resources"] = parse_resources(record)
+    except ValueError as e:
+        view["resources"], view["resources_error"] = None, str(e)
+    return view
 
 
 def controller_job_group(environ: Mapping[str, str] | None = None, api_version: int | None = None) -> int | None:
@@ -117,7 +159,8 @@ def check_api_server(environ: Mapping[str, str] | None = None) -> None:
 
 
 class SkyJobs:
-    """The seam: SkyPilot's managed-jobs API, and nothing else. Records come back as plain dicts."""
+    """The seam: SkyPilot's managed-jobs API (and ``sky.status`` for the controller's own cluster), and
+    nothing else. ``records`` and ``cluster_record`` return SkyPilot's records as plain dicts."""
 
     def launch(self, task: Any, name: str) -> int:
         import sky
@@ -127,20 +170,31 @@ class SkyJobs:
             raise RuntimeError(f"sky.jobs.launch returned no job id for {name}")
         return int(job_ids[0])
 
-    def queue(self, name_match: str) -> list[dict[str, Any]]:
-        """Jobs whose name contains ``name_match`` (SkyPilot matches substrings; callers filter), with the
-        resources each got (``resources``: None before it has a cluster)."""
+    def records(self, name_match: str) -> list[dict[str, Any]]:
+        """``sky.jobs.queue_v2`` records of the jobs whose name contains ``name_match`` (SkyPilot matches
+        substrings; callers filter)."""
         import sky
 
-        records = sky.get(sky.jobs.queue_v2(refresh=False, name_match=name_match))[0]
-        out = []
-        for r in records:
-            r = r if isinstance(r, dict) else r.model_dump()
-            status = r.get("status")
-            out.append({"job_id": r.get("job_id"), "job_name": r.get("job_name"),
-                        "status": getattr(status, "value", status), "recovery_count": r.get("recovery_count"),
-                        "failure_reason": r.get("failure_reason"), "resources": parse_resources(r)})
-        return out
+        return [r if isinstance(r, dict) else r.model_dump()
+                for r in sky.get(sky.jobs.queue_v2(refresh=False, name_match=name_match))[0]]
+
+    def job_record(self, job_id: int) -> dict[str, Any] | None:
+        """``sky.jobs.queue_v2``'s record of one managed job (the controller's own, when it runs as one)."""
+        import sky
+
+        found = sky.get(sky.jobs.queue_v2(refresh=False, job_ids=[job_id]))[0]
+        return None if not found else (found[0] if isinstance(found[0], dict) else found[0].model_dump())
+
+    def cluster_record(self, cluster_name: str) -> dict[str, Any] | None:
+        """``sky.status``'s record of one cluster (the controller's own), or None if SkyPilot has none."""
+        import sky
+
+        found = sky.get(sky.status(cluster_names=[cluster_name], all_users=True))
+        return None if not found else (found[0] if isinstance(found[0], dict) else found[0].model_dump())
+
+    def queue(self, name_match: str) -> list[dict[str, Any]]:
+        """The jobs of ``records`` as the pool reads them (:func:`job_view`)."""
+        return [job_view(r) for r in self.records(name_match)]
 
     def cancel(self, name: str) -> None:
         import sky
@@ -279,9 +333,9 @@ class SkyLauncher:
         log = _logger()
         name = job_name(config_from_dict(config).run_url, kind, index)
         existing = self.latest(name)
-        if existing is not None and existing["status"] in ACTIVE:
+        if existing is not None and is_active(existing["status"]):
             log.info("managed job %s (id %s) is %s: it is the %s, not launching another",
-                     name, existing["job_id"], existing["status"], kind)
+                     name, existing["job_id"], existing["status"].value, kind)
             return name, existing["job_id"]
         task = self.build_task(kind, index, config)  # errors here launch nothing
         try:
@@ -296,14 +350,41 @@ class SkyLauncher:
                  name, job_id, kind, [str(r) for r in task.resources], sorted(task.secrets))
         return name, job_id
 
+    def controller_instance(self) -> dict[str, Any]:
+        """The VM this flow runs on, priced from SkyPilot's record of it: its managed job's
+        (``SKYPILOT_MANAGED_JOB_ID``: the controller launched with ``sky jobs launch``, whose cluster
+        ``sky.status`` does not list), else its cluster's (``SKYPILOT_CLUSTER_INFO``, which SkyPilot gives
+        every task, names it); this machine at $0 when the flow does not run on SkyPilot (a laptop), and $0
+        with the reason when the record cannot be priced."""
+        import json
+        import socket
+
+        from spotlight.cost import PriceError, resources_price
+
+        info, job_id = self.environ.get("SKYPILOT_CLUSTER_INFO"), self.environ.get("SKYPILOT_MANAGED_JOB_ID", "")
+        if not info:
+            return {"instance": f"local {socket.gethostname()}", "price_per_hour": 0.0,
+                    "price_source": "not a SkyPilot cluster (no SKYPILOT_CLUSTER_INFO): this machine"}
+        name = f"managed job {job_id}" if job_id.isdigit() else json.loads(info)["cluster_name"]
+        try:
+            record = self.jobs.job_record(int(job_id)) if job_id.isdigit() else self.jobs.cluster_record(name)
+            resources = parse_resources(record) if record else None
+            if resources is None:
+                raise PriceError(f"SkyPilot has no record of the cluster {name}")
+            return {**resources_price(resources), "resources": resources}
+        except (PriceError, ValueError) as e:
+            _logger().warning("the controller's own VM cannot be priced: %s", e)
+            return {"instance": f"SkyPilot cluster {name}", "price_per_hour": 0.0, "price_source": f"unpriced: {e}"}
+
     def failure(self, name: str, record: Mapping[str, Any]) -> SkyJobFailed:
         return SkyJobFailed(name, record, self._redact(self.jobs.logs(record["job_id"], self.log_tail_lines)))
 
     def cancel_run(self, run_url: str) -> list[str]:
         """Cancel every active managed job of a run (names with the run's prefix); returns their names."""
         prefix = run_prefix(run_url)
+        cancelling = job_status().CANCELLING
         names = sorted({r["job_name"] for r in self.jobs.queue(prefix)
-                        if r["job_name"].startswith(prefix) and r["status"] in ACTIVE - {CANCELLING}})
+                        if r["job_name"].startswith(prefix) and is_active(r["status"]) and r["status"] != cancelling})
         for name in names:
             self.jobs.cancel(name)
         return names

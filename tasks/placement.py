@@ -55,10 +55,13 @@ def check_task_yaml(path: str | os.PathLike, catalog_dir: Path = CATALOG_DIR) ->
     """Parse a task YAML with SkyPilot and apply the project's rules; returns the ``sky.Task``.
 
     Rules: accelerators must be in the catalog; spot tasks need ``job_recovery`` with a known
-    strategy and ``max_restarts_on_errors``, several accelerators and no pinned cloud; the task's
-    required envs are declared; AWS keys are declared as secrets and never given inline.
+    strategy, ``max_restarts_on_errors`` and the preempted worker's exit code in ``recover_on_exit_codes``,
+    several accelerators and no pinned cloud; the task's required envs are declared; AWS keys are
+    declared as secrets and never given inline.
     """
     import sky
+
+    from spotlight.queue_worker import PREEMPTED_EXIT_CODE
 
     path = Path(path)
     where = f"task YAML {path}"
@@ -94,6 +97,10 @@ def check_task_yaml(path: str | os.PathLike, catalog_dir: Path = CATALOG_DIR) ->
                                 f"{', '.join(sorted(strategies))}")
             if "max_restarts_on_errors" not in recovery:
                 problems.append("job_recovery lacks max_restarts_on_errors (a crash would not be retried)")
+            codes = recovery.get("recover_on_exit_codes")
+            if PREEMPTED_EXIT_CODE not in (codes if isinstance(codes, list) else [codes]):
+                problems.append(f"job_recovery.recover_on_exit_codes lacks {PREEMPTED_EXIT_CODE}, the exit code of a "
+                                "worker a preemption stopped (SkyPilot would count it as a failure of the program)")
     envs = task.envs
     for env in REQUIRED_ENVS.get(task.name or "", ("RUN_URL",)):
         if env not in envs:

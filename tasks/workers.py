@@ -7,6 +7,10 @@ keeper thread holds the pool at its configured size while the flow runs: a worke
 job ended is started again (a preemption in the cloud is SkyPilot's recovery of the same job, not a
 new launch), and after ``placement.max_relaunches`` failures the pool is marked broken in the store,
 so every waiting stage fails naming the worker and why instead of waiting forever.
+
+The pool also pays the controller's bills into the run's ledger (:class:`ControllerMeter`): the VM the
+flow runs on and the S3 requests of the flow's process; and, for SkyPilot jobs, the time SkyPilot spent
+provisioning each worker (from the job's own record).
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from spotlight.config import Config, load_config
-from spotlight.pool import (mark_pool_broken, mark_pool_done, pool_broken, pool_done, ready_record_key, reset_pool,
-                            write_slot)
-from spotlight.queue_worker import term_with_parent
+from spotlight.cost import Ledger, Outcome, PriceError, process_start_time, record_provisioning, resources_price
+from spotlight.pool import (WAITING, mark_pool_broken, mark_pool_done, pool_broken, pool_done, ready_record_key,
+                            reset_pool, write_slot)
+from spotlight.queue_worker import PREEMPTED_EXIT_CODE, term_with_parent
 from spotlight.store import RunStore
-from tasks.launcher import SUCCEEDED, TERMINAL, SkyLauncher, launcher_from_env, run_prefix
+from tasks.launcher import SkyLauncher, job_status, launcher_from_env, run_prefix
+
+CONTROLLER = "controller"  # the controller's slot and worker name in the ledger
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +57,9 @@ def worker_pool(cfg: Config, launcher: Any = None) -> Iterator["LocalPool | SkyP
     launcher = launcher if launcher is not None else launcher_from_env()
     pool: LocalPool | SkyPool = SkyPool(cfg, launcher) if isinstance(launcher, SkyLauncher) else LocalPool(cfg)
     reset_pool(pool.store)
+    meter = ControllerMeter(pool.store, pool.controller_instance())
     stop = threading.Event()
-    keeper = threading.Thread(target=_keep, args=(pool, stop), name="worker-pool", daemon=True)
+    keeper = threading.Thread(target=_keep, args=(pool, meter, stop), name="worker-pool", daemon=True)
     why = "the flow is over"
     try:
         pool.start()
@@ -66,6 +74,7 @@ def worker_pool(cfg: Config, launcher: Any = None) -> Iterator["LocalPool | SkyP
             keeper.join()
         mark_pool_done(pool.store, why)
         pool.close(grace=why == "the flow is over")
+        meter.tick(final=True)
 
 
 def tear_down_pool(flow: Any, flow_run: Any, state: Any) -> None:
@@ -85,12 +94,37 @@ def tear_down_pool(flow: Any, flow_run: Any, state: Any) -> None:
                 flow_run.name, state.name, cfg.run_url, names)
 
 
-def _keep(pool: "LocalPool | SkyPool", stop: threading.Event) -> None:
+def _keep(pool: "LocalPool | SkyPool", meter: "ControllerMeter", stop: threading.Event) -> None:
     while not stop.wait(pool.poll_seconds):
         try:
             pool.keep()
+            meter.tick()
         except Exception as e:  # noqa: BLE001 - a hiccup (store, SkyPilot API) is retried next round
             log.warning("worker pool check failed: %s", e)
+
+
+class ControllerMeter:
+    """The controller's ledger entries (stage ``controller``): the seconds since the previous one, at the
+    price of the VM the flow runs on, with the S3 requests the flow's process sent meanwhile (and, apart,
+    the time it spent waiting on stages and explorations with the requests of that waiting). Written
+    every ``every_seconds`` and when the pool closes; the first covers the time since the process
+    started (the controller is billed from its boot)."""
+
+    def __init__(self, store: RunStore, instance: dict[str, Any], every_seconds: float = 60.0):
+        self.every_seconds, self.last = every_seconds, process_start_time()
+        self.waited = (WAITING.seconds, WAITING.requests)
+        write_slot(store, CONTROLLER, {"kind": CONTROLLER, "seen_at": time.time(), "seen_by": socket.gethostname(),
+                                       **instance})
+        self.ledger = Ledger(store, CONTROLLER, CONTROLLER, 0.0, slot=CONTROLLER)
+
+    def tick(self, final: bool = False) -> None:
+        now = time.time()
+        if final or now - self.last >= self.every_seconds:
+            seconds, requests = WAITING.seconds, WAITING.requests
+            self.ledger.record(CONTROLLER, None, now - self.last, Outcome.OK, 0.0,
+                               waiting_seconds=seconds - self.waited[0],
+                               waiting_requests=(requests - self.waited[1]).as_dict())
+            self.last, self.waited = now, (seconds, requests)
 
 
 # -- local processes ------------------------------------------------------------------------------
@@ -123,6 +157,11 @@ class LocalPool:
         self.launches: Counter[str] = Counter()
         self.logs = Path(tempfile.mkdtemp(prefix="spotlight-workers-"))
         self._lock = threading.Lock()
+
+    def controller_instance(self) -> dict[str, Any]:
+        """The flow runs on this machine with its local workers: nothing is billed per hour here."""
+        return {"instance": f"local {socket.gethostname()}", "price_per_hour": 0.0,
+                "price_source": "this machine (local workers)"}
 
     def start(self) -> None:
         for kind, i in worker_slots(self.cfg):
@@ -165,7 +204,7 @@ class LocalPool:
                 code = proc.poll()
                 if code is None or pool_done(self.store) or pool_broken(self.store):
                     continue
-                if code != 0:
+                if code not in (0, PREEMPTED_EXIT_CODE, -signal.SIGTERM):  # a SIGTERM is not the worker's failure
                     self.failures[slot] += 1
                 if self.failures[slot] > self.cfg.placement.max_relaunches:
                     mark_pool_broken(self.store, slot, (
@@ -203,20 +242,27 @@ class SkyPool:
         self.failures: Counter[str] = Counter()
         self._seen: dict[str, Any] = {}
 
+    def controller_instance(self) -> dict[str, Any]:
+        return self.launcher.controller_instance()
+
     def start(self) -> None:
         for kind, i in self.slots.values():
             self.launcher.start(kind, i, self.config)
 
     def keep(self) -> None:
+        """Each worker's newest job: running (record where, and how long it waited for a cluster), or ended
+        while the run needs it (launch it again; a failure counts towards ``placement.max_relaunches``;
+        SUCCEEDED, a worker that left on its own, does not)."""
+        status = job_status()
         records = self.launcher.jobs.queue(run_prefix(self.cfg.run_url))
         for name, (kind, i) in self.slots.items():
             record = self.launcher.latest(name, records)
-            if record is not None and record["status"] not in TERMINAL:
+            if record is not None and not record["status"].is_terminal():
                 self._record_instance(name, kind, record)
                 continue
             if pool_done(self.store) or pool_broken(self.store):
                 continue
-            if record is not None and record["status"] != SUCCEEDED:
+            if record is not None and record["status"] != status.SUCCEEDED:
                 self.failures[name] += 1
                 if self.failures[name] > self.cfg.placement.max_relaunches:
                     mark_pool_broken(self.store, name, (
@@ -225,26 +271,35 @@ class SkyPool:
                         f"{self.launcher.failure(name, record)}"))
                     continue
             log.warning("the %s %s is %s; launching it again", kind, name,
-                        "gone" if record is None else f"{record['status']} (id {record['job_id']})")
+                        "gone" if record is None else f"{record['status'].value} (id {record['job_id']})")
             self.launcher.start(kind, i, self.config, relaunch=True)
 
     def _record_instance(self, name: str, kind: str, record: dict[str, Any]) -> None:
-        """What the job runs on now, priced from the catalog: the worker's ledger entries read it."""
-        from spotlight.cost import PriceError, resources_price
-
+        """What the job runs on now, priced from the catalog (the worker's ledger entries read it), and,
+        once it runs, the time SkyPilot spent provisioning it (a ledger entry of its own)."""
         resources = record.get("resources")
-        key = (record["job_id"], record.get("recovery_count"), repr(resources))
-        if not resources or self._seen.get(name) == key:
+        if not resources:
+            if record.get("resources_error"):
+                log.warning("managed job %s: %s", name, record["resources_error"])
             return
-        try:
-            priced = resources_price(resources)
-        except PriceError as e:
-            priced = {"instance": f"{resources.get('cloud')}/{resources.get('region')} {resources.get('instance_type')}",
-                      "price_per_hour": 0.0, "price_source": f"unpriced: {e}"}
-        write_slot(self.store, name, {
-            "kind": kind, "job_id": record["job_id"], "recovery_count": record.get("recovery_count"),
-            "resources": resources, "seen_at": time.time(), "seen_by": socket.gethostname(), **priced})
-        self._seen[name] = key
+        key = (record["job_id"], record.get("recovery_count"), repr(resources))
+        if self._seen.get(name, (None,))[0] != key:
+            try:
+                priced = resources_price(resources)
+            except PriceError as e:
+                log.warning("managed job %s runs on %s, which the catalog cannot price (%s): its time is "
+                            "recorded at $0", name, resources, e)
+                priced = {"instance": f"{resources.get('cloud')}/{resources.get('region')} "
+                                      f"{resources.get('instance_type')}",
+                          "price_per_hour": 0.0, "price_source": f"unpriced: {e}"}
+            write_slot(self.store, name, {
+                "kind": kind, "job_id": record["job_id"], "recovery_count": record.get("recovery_count"),
+                "resources": resources, "seen_at": time.time(), "seen_by": socket.gethostname(), **priced})
+            self._seen[name] = (key, priced, False)
+        key, priced, provisioned = self._seen[name]
+        if not provisioned and record["status"] == job_status().RUNNING:
+            if record_provisioning(self.store, name, kind, record, priced) is not None:
+                self._seen[name] = (key, priced, True)
 
     def close(self, grace: bool = True) -> None:
         """The done marker is written: workers exit by themselves; cancel the ones still running after a grace
@@ -253,11 +308,11 @@ class SkyPool:
         while time.monotonic() < deadline:
             records = self.launcher.jobs.queue(run_prefix(self.cfg.run_url))
             active = [n for n in self.slots if (r := self.launcher.latest(n, records)) is not None
-                      and r["status"] not in TERMINAL]
+                      and not r["status"].is_terminal()]
             if not active:
                 return
             time.sleep(min(self.poll_seconds, 1.0))
         for name in self.slots:
             record = self.launcher.latest(name)
-            if record is not None and record["status"] not in TERMINAL:
+            if record is not None and not record["status"].is_terminal():
                 self.launcher.jobs.cancel(name)

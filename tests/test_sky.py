@@ -19,6 +19,8 @@ import sky  # noqa: E402
 
 from flows.cli import app  # noqa: E402
 from spotlight import catalog, cost  # noqa: E402
+from spotlight.config.placement import MOUNT_MODES  # noqa: E402
+from spotlight.queue_worker import PREEMPTED_EXIT_CODE  # noqa: E402
 from spotlight.store import RunStore  # noqa: E402
 from tasks.placement import (CATALOG_DIR, TaskYamlError, check_task_yaml,  # noqa: E402
                              cheapest_offers)
@@ -45,7 +47,7 @@ def test_every_yaml_parses_with_skypilot_and_passes_the_project_check(path):
     else:
         assert all(r.use_spot and r.cloud is None for r in task.resources) and len(task.resources) >= 4
         assert all(r.job_recovery["strategy"] == "EAGER_NEXT_REGION" and r.job_recovery["max_restarts_on_errors"] >= 1
-                   for r in task.resources)
+                   and r.job_recovery["recover_on_exit_codes"] == [PREEMPTED_EXIT_CODE] for r in task.resources)
         assert "SKYPILOT_TASK_ID" in task.run and {"SPOTLIGHT_SLOT", "IDLE_EXIT"} <= set(task.envs)
         kind = path.stem
         assert f'spotlight worker --kind {kind} --run "$RUN_URL" --idle-exit "$IDLE_EXIT"' in task.run
@@ -67,6 +69,7 @@ def _bad(tmp_path: Path, old: str, new: str, src: str = "trainer.yaml") -> Path:
     ("accelerators: L4:1", "accelerators: L40X:1", "unknown accelerator 'L40X'"),
     ("strategy: EAGER_NEXT_REGION", "strategy: EAGER_NEXT_PLANET", "invalid job_recovery strategy 'EAGER_NEXT_PLANET'"),
     ("    max_restarts_on_errors: 3\n", "", "lacks max_restarts_on_errors"),
+    ("recover_on_exit_codes: [143]", "recover_on_exit_codes: [1]", "recover_on_exit_codes lacks 143"),
     ('  RUN_URL: ""         # required: the s3:// run store (the launcher sets it)\n', "",
      "missing required env 'RUN_URL'"),
     ('  SPOTLIGHT_SLOT: ""', '  SPOTLIGHT_SLOTS: ""', "missing required env 'SPOTLIGHT_SLOT'"),
@@ -88,6 +91,12 @@ def test_unknown_accelerator_is_one_skypilot_itself_accepts(tmp_path):
     sky.Task.from_yaml(str(path))  # no error from SkyPilot
     names = catalog.accelerator_names(FIXTURE / "v8")
     assert "z100" not in names and names["l4"] == "L4"
+
+
+def test_mount_modes_are_skypilots():
+    from sky.data.storage import StorageMode
+
+    assert set(MOUNT_MODES) == {m.value for m in StorageMode}
 
 
 def test_plan_catalog_is_the_fixture():

@@ -4,7 +4,7 @@
   (its name and traceback tail), the ledger holds the attempt with its seconds, no trainer takes the
   failed attempt again, and posting again makes a new attempt.
 - SIGTERM mid-stage: the trainer abandons the stage, records the attempt as preempted (with its
-  seconds), releases the item and exits 0; what it had finished (pretraining's chunks) stays
+  seconds), releases the item and exits 143 (preempted, not done); what it had finished (pretraining's chunks) stays
   committed, and a trainer started under the same name finishes the stage from there.
 """
 
@@ -19,6 +19,7 @@ import pytest
 
 from spotlight import cost, stage_queue, stages
 from spotlight.config import load_config
+from spotlight.queue_worker import PREEMPTED_EXIT_CODE
 from spotlight.run import open_run
 from tests.conftest import REPO, SMALL, SPOTLIGHT, cli_env
 
@@ -64,7 +65,7 @@ def test_a_failed_stage_attempt_is_raised_with_the_workers_error_and_is_in_the_l
         assert trainer.poll() is None, "a failing stage does not take the trainer down"
     finally:
         out = _stop(trainer)
-    assert trainer.returncode == 0, out[-3000:]
+    assert trainer.returncode == PREEMPTED_EXIT_CODE, out[-3000:]  # SIGTERM while the run goes on: not done
     with pytest.raises(ValueError, match="not trainer work"):
         stage_queue.post(run.store, "filter", 0, 30)
 
@@ -82,7 +83,7 @@ def test_sigterm_mid_stage_releases_it_and_keeps_what_is_finished(tmp_path):
         time.sleep(0.05)
     t0 = time.monotonic()
     out = _stop(trainer)
-    assert trainer.returncode == 0 and time.monotonic() - t0 < 15, out[-3000:]
+    assert trainer.returncode == PREEMPTED_EXIT_CODE and time.monotonic() - t0 < 15, out[-3000:]
     assert not stages.is_committed(run, "pretrain", 0), "the stage was abandoned, not finished"
     assert any(cache.glob("base-*/step-0000010/COMMIT.json")), "what was finished stays committed"
     leases = run.store.list(f"{request.prefix}/leases/{request.item_id}")

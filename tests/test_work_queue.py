@@ -17,7 +17,9 @@ from typing import Any, Callable
 import pytest
 
 from queue_handler import handler, make_items, unit_result
-from spotlight.store import RunStore
+from spotlight import stage_queue
+from spotlight.pool import S3_POLL
+from spotlight.store import RequestCounts, RunStore, request_counts
 from spotlight.work_queue import Claim, LeaseLostError, QueueError, WorkQueue
 from spotlight.queue_worker import run_worker
 
@@ -369,3 +371,64 @@ def test_spotlight_worker_command_explores_a_runs_queue(small_overrides, tmp_pat
     here = dict(exploration.explore_units(run, 1, items[1], ["p001-b001"]))
     assert here["p001-b001"]["rewards"] == results["p001-b001"]["rewards"]
     assert results["p001-b001"]["seeds"] == items[1]["batches"]["p001-b001"]
+
+
+# -- waiting is O(1) requests a look ------------------------------------------------------------------
+def test_waiting_costs_the_same_few_requests_a_look_whatever_the_queues_size(moto_endpoint, tmp_path):
+    """On S3 (moto), counted as AWS bills them: with every item of a 28-item queue held by busy workers,
+    an idle worker's look for work is one HEAD (``freed.json``) and a waiter's look one HEAD
+    (``progress.json``), a stage waiter's too (it reads the pool's broken marker every few seconds). A
+    hand-back, a change, or a lease that may have expired makes the next look a full one (2 LISTs, however
+    many items)."""
+    costs = {}
+    for n in (4, 28):
+        store = make_store("s3", tmp_path, moto_endpoint)
+        busy, idle, waiter = (WorkQueue(store, "q", lease_seconds=60) for _ in range(3))
+        busy.publish(make_items(n, 2, 0.0))
+        claims = [busy.claim(f"busy{i}") for i in range(n)]
+        assert all(claims)
+
+        def cost(fn, looks: int = 5) -> list[RequestCounts]:
+            out = []
+            for _ in range(looks):
+                before = request_counts()
+                fn()
+                out.append(request_counts() - before)
+            return out
+
+        first, *steady = cost(lambda: idle.claim("idle"))
+        assert first.put == 2 and all(c == RequestCounts(get=1) for c in steady), (first, steady)  # 2 LISTs, then 1 HEAD
+        first, *steady = cost(waiter.look)
+        assert all(c == RequestCounts(get=1) for c in steady), steady
+        busy.record(claims[0], {claims[0].item["units"][0]: unit_result(claims[0].item["units"][0])})
+        assert cost(waiter.look, 1) == [RequestCounts(put=1, get=1)]  # it changed: the done markers again
+        assert cost(lambda: idle.claim("idle"), 1) == [RequestCounts(get=1)]  # nothing was handed back
+        busy.release(claims[-1])
+        took = idle.claim("idle")
+        assert took is not None and took.item_id == claims[-1].item_id  # the hand-back is seen at once
+        costs[n] = steady[-1]
+    assert costs[4] == costs[28], "a look does not grow with the queue"
+    # a stage waiter: one HEAD of the attempt's progress a look
+    store = make_store("s3", tmp_path, moto_endpoint)
+    request = stage_queue.post(store, "update", 0, lease_seconds=60)
+    looks: list[RequestCounts] = []
+    last = [request_counts()]
+
+    class Enough(Exception):
+        pass
+
+    def on_poll() -> None:  # called once a look: what the look cost; six looks are enough
+        now = request_counts()
+        looks.append(now - last[0])
+        last[0] = now
+        if len(looks) == 6:
+            raise Enough
+
+    with pytest.raises(Enough):
+        stage_queue.wait(request, poll_seconds=0.01, on_poll=on_poll)
+    assert looks[0] == RequestCounts(put=1, get=4)  # the first also lists and reads the (absent) done and failure
+    assert all(c == RequestCounts(get=1) for c in looks[1:]), looks  # the broken marker again after 5 s
+    low, high = S3_POLL
+    print(f"S3 requests a look while waiting: idle worker {costs[28].billed} (queue of 28 held items), waiter "
+          f"{looks[-1].billed}; at the longest pause ({high:g} s) that is {costs[28].billed / high:.2f} and "
+          f"{looks[-1].billed / high:.2f} requests per second")

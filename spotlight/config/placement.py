@@ -1,8 +1,10 @@
-"""Where a run's work runs (not what it computes): worker kinds, accelerators, leases, sequence parallelism.
-May change between resumes of a run; older spellings of these settings are migrated here."""
+"""Where a run's work runs (not what it computes): worker kinds, accelerators, leases, sequence parallelism,
+the buckets workers see as folders. May change between resumes of a run; older spellings of these
+settings are migrated here."""
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -74,6 +76,29 @@ class WorkerKindSection(Section):
         return self
 
 
+#: SkyPilot's storage modes (``sky.data.storage.StorageMode``; tests/test_sky.py keeps the two equal)
+MOUNT_MODES = ("MOUNT_CACHED", "MOUNT", "COPY")
+#: URL schemes SkyPilot mounts as buckets (``sky.data.data_utils``: S3, GCS, R2, Azure Blob, IBM COS, OCI, Nebius)
+BUCKET_SCHEMES = ("s3", "gs", "r2", "https", "cos", "oci", "nebius")
+
+
+class MountSection(Section):
+    """A bucket (or a folder in one) that every cloud worker sees at a local path: SkyPilot ``file_mounts``."""
+
+    source: str = Field(description="bucket URL, e.g. s3://my-bucket/models/stable-diffusion-3.5-medium")
+    mode: Literal[MOUNT_MODES] = Field("MOUNT_CACHED", description="SkyPilot's mode: MOUNT_CACHED (read "
+                                       "through a local disk cache, the default for weights), MOUNT (streamed "
+                                       "from the bucket), COPY (copied to the disk before the worker starts)")
+
+    @field_validator("source")
+    @classmethod
+    def _bucket(cls, url: str) -> str:
+        scheme, sep, rest = url.partition("://")
+        if not sep or scheme not in BUCKET_SCHEMES or not rest.strip("/"):
+            raise ValueError(f"{url!r} is not a bucket URL ({', '.join(s + '://' for s in BUCKET_SCHEMES)})")
+        return url.rstrip("/")
+
+
 DEFAULT_ACCELERATORS = {"trainer": ("A100:1", "A100-80GB:1", "H100:1", "L4:1", "A10G:1"),
                         "explorer": ("L4:1", "A10G:1", "A100:1", "H100:1")}
 
@@ -98,6 +123,41 @@ class PlacementSection(Section):
     sequence_parallel: SequenceParallelSection = Field(
         default_factory=SequenceParallelSection, description="elastic sequence-parallel groups for "
         "high-resolution rollouts (spotlight.sequence_parallel); degree 1: none")
+    mounts: dict[str, MountSection] = Field({}, description="local path -> bucket (a URL, or {source, mode}): "
+                                            "what cloud workers see as folders (model, prompts, reward weights; "
+                                            "the config names the local paths). The run store is never mounted")
+    cache: str | None = Field(None, description="bucket URL for the workers' Hugging Face and torch caches "
+                              "(mounted MOUNT_CACHED at /spotlight-cache), so compiled kernels survive a "
+                              "recovery to a new VM; null: the VM's own disk")
+
+    @field_validator("mounts", mode="before")
+    @classmethod
+    def _mount_shorthand(cls, mounts: Any) -> Any:
+        """``/models: s3://bucket/models`` means that bucket with the default mode."""
+        if isinstance(mounts, dict):
+            return {k: {"source": v} if isinstance(v, str) else v for k, v in mounts.items()}
+        return mounts
+
+    @field_validator("mounts")
+    @classmethod
+    def _mount_points(cls, mounts: dict[str, MountSection]) -> dict[str, MountSection]:
+        out = {}
+        for path, mount in mounts.items():
+            clean = posixpath.normpath(path)
+            if not clean.startswith("/") or clean == "/":
+                raise ValueError(f"mount point {path!r}: expected an absolute folder path other than /")
+            out[clean] = mount
+        points = sorted(out)
+        nested = [(a, b) for a in points for b in points if a != b and b.startswith(a + "/")]
+        if nested:
+            raise ValueError(f"mount point {nested[0][1]} lies inside mount point {nested[0][0]}; mount one bucket "
+                             "folder per path")
+        return out
+
+    @field_validator("cache")
+    @classmethod
+    def _cache_bucket(cls, url: str | None) -> str | None:
+        return None if url is None else MountSection(source=url).source
 
     @model_validator(mode="before")
     @classmethod

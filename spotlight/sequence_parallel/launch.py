@@ -32,6 +32,7 @@ from typing import Callable
 
 from spotlight.config import Config
 from spotlight.models.policy import check_pretrained, policy_class
+from spotlight.queue_worker import exit_code
 
 
 def preload(cfg: Config) -> None:
@@ -67,9 +68,11 @@ def fork_members(names: list[str], child: Callable[[str, int], None]) -> dict[st
     return pids
 
 
-def forward_sigterm(pids: dict[str, int]) -> None:
-    """SIGTERM to the launcher (a preemption notice, the pool closing) goes to every member."""
+def forward_sigterm(pids: dict[str, int], stopped: list[bool]) -> None:
+    """SIGTERM to the launcher (a preemption notice, the pool closing) goes to every member; ``stopped``
+    then holds True (the launcher exits PREEMPTED_EXIT_CODE unless the run's flow is over)."""
     def forward(signum: int, frame: object) -> None:
+        stopped[0] = True
         for pid in pids.values():
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     from spotlight.sequence_parallel.member import group_name, member_options, run_from_args
     from spotlight.store import RunStore
 
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))  # booting: nothing held yet
     p = member_options(argparse.ArgumentParser(prog="python -m spotlight.sequence_parallel.launch",
                                                description="Fork the members of an SP explorer group."))
     p.add_argument("--processes", type=int, help="members to fork, one per GPU (default: the run's "
@@ -107,14 +111,15 @@ def main(argv: list[str] | None = None) -> None:
     names = args.members.split(",") if args.members else \
         member_names(args.group, args.processes or cfg.placement.sequence_parallel.degree)
     pids = fork_members(names, lambda name, index: run_from_args(args, name, index))
-    forward_sigterm(pids)
+    stopped = [False]
+    forward_sigterm(pids, stopped)
     RunStore(args.run).put_json(ready_record_key(args.group), {
         "worker": args.group, "kind": "explorer", "host": socket.gethostname(), "pid": os.getpid(),
         "ready_at": time.time(), "members": names})
     print(json.dumps({"pids": pids}), flush=True)
     codes = wait_members(pids)
     print(json.dumps({"exit": codes}), flush=True)
-    sys.exit(next((1 for c in codes.values() if c != 0), 0))
+    sys.exit(exit_code(args.run, stopped[0]) or next((1 for c in codes.values() if c != 0), 0))
 
 
 if __name__ == "__main__":
