@@ -185,7 +185,8 @@ def simulate(
         explorers: Optional[int] = typer.Option(None, "--explorers", help="default: placement.explorer.workers"),
         setup_seconds: float = typer.Option(240.0, "--setup-seconds", help="provisioning + setup per launch"),
         bandwidth: float = typer.Option(1.0, "--bandwidth-gb-s", help="weights read at boot, GB/s"),
-        polling: str = typer.Option("today", "--polling", help="S3 polling while waiting: today | issue-18"),
+        polling: str = typer.Option("current", "--polling", help="S3 polling while waiting: current | before "
+                                     "(the code before issue 18's O(1) looks)"),
         cloud: str = typer.Option("aws", "--cloud", help="whose catalog prices (sky/catalog/v8/<cloud>/vms.csv)"),
         region: Optional[str] = typer.Option(None, "--region", help="price region; default: each trace zone's region"),
         traces: Optional[Path] = typer.Option(None, "--traces", help="spot trace folder; default: the shipped sky/traces"),

@@ -87,9 +87,9 @@ def tear_down_pool(flow: Any, flow_run: Any, state: Any) -> None:
     if not config_path.is_absolute() and not config_path.exists():  # the hook may run outside the clone
         config_path = Path(__file__).resolve().parent.parent / config_path
     cfg = load_config(config_path, params.get("overrides"), params.get("run_url"))
-    mark_pool_done(RunStore(cfg.run_url), f"the flow run ended {state.name}")
-    launcher = launcher_from_env()
+    launcher = launcher_from_env()  # cancelled first: a worker told to leave first would exit 0 (SUCCEEDED)
     names = launcher.cancel_run(cfg.run_url) if isinstance(launcher, SkyLauncher) else []
+    mark_pool_done(RunStore(cfg.run_url), f"the flow run ended {state.name}")
     log.warning("flow run %s ended %s: the workers of %s were told to leave; cancelled managed jobs %s",
                 flow_run.name, state.name, cfg.run_url, names)
 

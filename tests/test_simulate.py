@@ -21,7 +21,7 @@ from spotlight.forecast import boot, curves as fcurves, estimate, records, repla
 from spotlight.forecast.errors import ForecastError
 from spotlight.forecast.prices import Offer, controller_offer, worker_offer
 from spotlight.forecast.replay import Exploration, ReplayWorker
-from spotlight.forecast.requests import ISSUE_18_GOAL, TODAY
+from spotlight.forecast.requests import BEFORE, CURRENT, Polling
 from spotlight.forecast.traces import Trace, load_trace, load_traces
 from spotlight.forecast.widths import cheapest, real_width, width_options
 from spotlight.store import RunStore, json_bytes
@@ -129,13 +129,13 @@ def test_sync_baseline_runs_updates_and_due_evaluations_back_to_back():
 
 def test_a_whole_forecast_billed_by_hand():
     """Spotlight with an on-demand trainer at $3.60/h and one spot explorer at $1.80/h, as in the join-rule
-    case (theta_2 at 140 s), a controller at $0.36/h, S3 requests under issue 18's polling."""
+    case (theta_2 at 140 s), a controller at $0.36/h, S3 requests at one GET per waiting process per second."""
     trace = Trace.from_values(PREEMPTED_AT_50, zone="us-east-1z")
     offer = Offer("trainer", "X:1", "x", False, 3.6, "us-east-1", "hand")
     setup = estimate.Setup(offer, replace(offer, kind="explorer", use_spot=True, usd_per_hour=1.8), 1,
                            replace(offer, kind="controller", usd_per_hour=0.36), stages(30, [[20], [20]], 1), 2, 2, 1.0)
     sc = estimate.Scenario(0.9, fcurves.Horizon(2, 2), 30.0, boot.Boot(20, 1.0, boot.WeightBytes(0, "none")),
-                           ISSUE_18_GOAL)
+                           Polling("1 GET/s", (0.0, 1.0), (0.0, 0.0), (0.0, 1.0), (0.0, 1.0), (0.0, 1.0)))
     out = estimate.simulate(schedules.Spotlight("s", "spotlight", False, "placement"), setup, trace, 0,
                             fcurves.ToTarget(0, 2, True), sc)
     assert (out.seconds, out.preemptions) == (140, 1)
@@ -146,9 +146,11 @@ def test_a_whole_forecast_billed_by_hand():
     # waiting, 1 GET/s: controller 140 s, trainer 140 - 100 busy, explorer 120 held - 50 busy
     puts, gets = 2 * 10 + 2 * 10 + 4 * 4 + 4, 2 * 5 + 2 * 10 + 4 * 1 + 4 + 140 + 40 + 70
     assert bill["s3"] == pytest.approx(puts * 0.005 / 1000 + gets * 0.0004 / 1000)
-    # today's code, 20 items open: queue.status() (41 LIST + 20 GET) twice a second, + the join key's HEAD, + the
-    # update's commit marker, and the pool check about once a second: 82 LIST/s and 45 GET/s, $1.54/h
-    assert TODAY.controller_exploring(20) == (82, 45)
+    # the code before issue 18, 20 items open: queue.status() (41 LIST + 20 GET) twice a second, + the join key's
+    # HEAD, + the update's commit marker, and the pool check about once a second: 82 LIST/s and 45 GET/s, $1.54/h
+    assert BEFORE.controller_exploring(20) == (82, 45)
+    # now: one HEAD a look every 4 s, whatever the queue's size
+    assert CURRENT.controller_exploring(20) == CURRENT.controller_exploring(2000) == (0.0, 0.25)
 
 
 # -- prices, work and boots at the real config ------------------------------------------------------------
@@ -175,9 +177,14 @@ def test_explorers_come_from_the_placement_priced_from_the_catalog():
 
 def test_the_real_config_iteration_is_counted_as_the_planner_counts_it():
     """sd35m: 16 prompts x 16 images x 10 steps + 256 x 9 trained steps x (3 + 1 KL) = 11776 forwards; the budget
-    0.7 x 11776 / 5 = 1648 candidates over 20 prompts exceeds the cap (64 each): 1280 candidates, 20 items of
-    8 units of 8 seeds x 5 steps; an evaluation: 256 prompts x 1 seed x 40 steps."""
-    w = work.iteration_work(SD35M)
+    0.7 x 11776 / 5 = 1648 candidates over 20 prompts, under the shipped cap of 128 each: all of it, in seed
+    batches of 8 (8240 forwards). Capped at 64 each instead: 1280 candidates, 20 items of 8 units of 8 seeds x
+    5 steps; an evaluation: 256 prompts x 1 seed x 40 steps."""
+    shipped = work.iteration_work(SD35M)
+    assert sum(shipped.candidates) == 1648 and shipped.explore_forwards == 1648 * 5
+    assert all(c % 8 == 0 and 8 <= c <= 128 for c in shipped.candidates) and len(shipped.candidates) == 20
+    w = work.iteration_work(load_config(REPO / "configs/sd35m-pickscore.yaml",
+                                        ["exploration.max_candidates_per_prompt=64"]))
     assert (w.update_forwards, w.candidates, w.explore_forwards, w.evaluate_forwards) == (11776, (64,) * 20, 6400, 10240)
     items = w.items(0.5)
     assert len(items) == 20 and all(item == [20.0] * 8 for item in items)
@@ -187,16 +194,20 @@ def test_the_real_config_iteration_is_counted_as_the_planner_counts_it():
 
 
 def test_boot_seconds_from_weight_bytes(tmp_path):
-    weights = boot.weight_bytes(SD35M)  # no weights on this machine: the published sizes
-    assert weights.bytes == int((2.5e9 + 4.76e9 + 694.7e6 + 123.7e6 + 83.7e6) * 2) + int(986e6 * 2)
-    assert "placeholder" in weights.source
+    from spotlight.memory_plan import reward_model_on_meta, worker_weight_bytes
+
+    weights = boot.weight_bytes(SD35M)  # no weights on this machine: the memory plan's count
+    assert weights.bytes == worker_weight_bytes(SD35M, "trainer") and "memory plan" in weights.source
+    assert 18 * 2**30 < weights.bytes < 20 * 2**30  # SD3.5-M (bf16, VAE fp32) and PickScore (fp32): 18.98 GiB
     assert boot.Boot(240, 2.0, weights).seconds == pytest.approx(240 + weights.bytes / 2e9)
     model = tmp_path / "sd35"
     (model / "transformer").mkdir(parents=True)
     (model / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"\0" * 3000)
     (model / "model_index.json").write_text("{}")  # not weights
     on_disk = boot.weight_bytes(load_config(REPO / "configs/sd35m-pickscore.yaml", [f"model.pretrained={model}"]))
-    assert on_disk.bytes == 3000 + int(986e6 * 2) and f"{model} on disk" in on_disk.source
+    pickscore = sum(p.numel() * p.element_size() for p in reward_model_on_meta(SD35M, "pickscore").parameters())
+    assert on_disk.bytes >= 3000 + pickscore and on_disk.bytes - 3000 - pickscore < 2**20  # (+ its buffers)
+    assert f"{model} on disk" in on_disk.source
 
 
 # -- the horizon and the curves ----------------------------------------------------------------------------------
@@ -293,7 +304,7 @@ def test_forecast_on_shipped_traces_is_deterministic_and_ordered():
 
 def test_bounds_when_a_seed_never_reaches_the_target():
     curves = {"none": [curve("none", 0, 10), curve("none", 1, 99)], "spotlight": [curve("spotlight", s, 3) for s in (0, 1)]}
-    sc = estimate.Scenario(0.97, fcurves.Horizon(20, 100), 600.0, boot.Boot(0, 1.0, boot.WeightBytes(0, "-")), TODAY, 2)
+    sc = estimate.Scenario(0.97, fcurves.Horizon(20, 100), 600.0, boot.Boot(0, 1.0, boot.WeightBytes(0, "-")), BEFORE, 2)
     fc = estimate.forecast(SD35M, sc, curves, load_traces(zones=["us-west-2b"]))
     assert fc.schedule("sync exploration, on-demand").outcomes == {}  # no sync curve: not forecast
     base, light = fc.schedule("on-demand sync").all, fc.schedule("spotlight, on-demand trainer").all
@@ -332,7 +343,7 @@ def test_cli_end_to_end_prints_the_tables_and_writes_the_plot(tmp_path):
     out = " ".join(proc.stdout.split())
     for text in ("on-demand sync", "all-spot sync", "sync exploration, on-demand", "spotlight, on-demand trainer",
                  "us-west-2b", "g6e.xlarge", "curve iteration k of 4 -> iteration ceil(250 k) of 1000", "<- chosen",
-                 "boot 258 s", f"plot: {plot}"):
+                 f"boot {boot.Boot(240, 1.0, boot.weight_bytes(SD35M)).seconds:.0f} s", f"plot: {plot}"):
         assert text in out, text
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 20_000
 

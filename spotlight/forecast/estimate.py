@@ -24,7 +24,7 @@ from spotlight.forecast.curves import Curve, Horizon, ToTarget, to_target
 from spotlight.forecast.errors import ForecastError
 from spotlight.forecast.prices import Offer, controller_offer, worker_offer
 from spotlight.forecast.replay import Exploration, ReplayWorker
-from spotlight.forecast.requests import TODAY, Polling, usd, work_requests
+from spotlight.forecast.requests import CURRENT, Polling, usd, work_requests
 from spotlight.forecast.schedules import ON_DEMAND_SYNC, SCHEDULES, Schedule, StageSeconds, Timeline
 from spotlight.forecast.traces import Trace, start_offsets
 from spotlight.forecast.work import IterationWork, iteration_work, relative_seconds
@@ -38,7 +38,7 @@ class Scenario:
     horizon: Horizon
     update_seconds: float  # the trainer's seconds per update at the config's batch, on its GPU
     boot: Boot
-    polling: Polling = TODAY
+    polling: Polling = CURRENT
     offsets: int = 32
     cloud: str = "aws"
     region: str | None = None  # None: each trace zone's region

@@ -7,13 +7,13 @@ Two parts:
   read, then the lease object and the done marker), per unit (its result object, read back by gather).
   Operation counts from ``docs/store.md`` (a commit of k objects: k + 1 PUT-class + 1 GET; a claim scan
   of n leased items: n + 1 LIST + n GET).
-* **Waiting**: every process polls the store while it waits, ``pool.default_poll_seconds`` (0.5 s) on
-  S3. ``TODAY`` is the code as it is: the controller reads ``queue.status()`` (2n + 1 LIST + n GET for
-  n items) every poll while an exploration is open, and a stage's commit marker (one HEAD) otherwise,
-  plus the pool's health check about once a second; an idle worker lists the queues (and a trainer the
-  stage queue) and reads the pool's done marker. ``ISSUE_18_GOAL`` is issue 18 item 5's design: a
-  progress object per queue, read with one GET per poll, polls backed off to at most one per second
-  per waiting process.
+* **Waiting**: every process polls the store while it waits. ``CURRENT`` is the code as it is
+  (``docs/cloud.md``, "Waiting is cheap"): a look is one HEAD of a signal object (a queue's
+  ``progress.json`` or ``freed.json``, the pool's ``board.json``), and a long wait looks every 4 s
+  (``spotlight.pool.Pacer``; a real run's waits last minutes); a stage waiter also reads the pool's
+  broken marker every 5 s, and a trainer watches the stage queue beside the exploration queues.
+  ``BEFORE`` is the code before issue 18 (66d9940): ``queue.status()`` (2n + 1 LIST + n GET for n
+  items) twice a second while an exploration is open, and an idle worker listing the queues.
   A worker waits whenever it holds an instance and computes nothing (boots included: an upper bound);
   a busy worker's lease renewals (one per lease_seconds / 3) are left out.
 """
@@ -45,16 +45,21 @@ class Polling:
                 self.controller_on_exploration[1] + items * self.controller_per_open_item[1])
 
 
-POLLS_PER_SECOND = 2.0  # pool.default_poll_seconds on S3: 0.5 s
-TODAY = Polling("today's polling (0.5 s; queue.status() is O(items))",
-                controller_on_stage=(0.0, POLLS_PER_SECOND + 1.0),  # commit marker HEAD + ~1 pool check/s
-                controller_per_open_item=(2 * POLLS_PER_SECOND, POLLS_PER_SECOND),  # status(): 2n + 1 LIST, n GET
-                controller_on_exploration=(POLLS_PER_SECOND, 2 * POLLS_PER_SECOND + 1.0),  # + join key, commit marker, pool
-                worker_idle=(POLLS_PER_SECOND, POLLS_PER_SECOND),  # LIST queues, HEAD pool/done.json
-                trainer_idle=(2 * POLLS_PER_SECOND, POLLS_PER_SECOND))  # + LIST the stage queue
-ISSUE_18_GOAL = Polling("issue 18's design (one GET of a queue's progress object per poll, at most 1/s per process)",
-                        (0.0, 1.0), (0.0, 0.0), (0.0, 1.0), (0.0, 1.0), (0.0, 1.0))
-POLLING = {"today": TODAY, "issue-18": ISSUE_18_GOAL}
+POLLS_PER_SECOND = 2.0  # BEFORE: pool.default_poll_seconds on S3, 0.5 s
+BEFORE = Polling("the polling before issue 18 (0.5 s; queue.status() is O(items))",
+                 controller_on_stage=(0.0, POLLS_PER_SECOND + 1.0),  # commit marker HEAD + ~1 pool check/s
+                 controller_per_open_item=(2 * POLLS_PER_SECOND, POLLS_PER_SECOND),  # status(): 2n + 1 LIST, n GET
+                 controller_on_exploration=(POLLS_PER_SECOND, 2 * POLLS_PER_SECOND + 1.0),  # + join key, marker, pool
+                 worker_idle=(POLLS_PER_SECOND, POLLS_PER_SECOND),  # LIST queues, HEAD pool/done.json
+                 trainer_idle=(2 * POLLS_PER_SECOND, POLLS_PER_SECOND))  # + LIST the stage queue
+LOOKS_PER_SECOND = 0.25  # spotlight.pool.Pacer on S3: a long wait looks every 4 s
+CURRENT = Polling("one HEAD a look, a look every 4 s in a long wait (docs/cloud.md)",
+                  controller_on_stage=(0.0, LOOKS_PER_SECOND + 0.2),  # the stage's signal; the broken marker every 5 s
+                  controller_per_open_item=(0.0, 0.0),  # a look is O(1) whatever the queue's size
+                  controller_on_exploration=(0.0, LOOKS_PER_SECOND),
+                  worker_idle=(0.0, LOOKS_PER_SECOND),  # board.json
+                  trainer_idle=(0.0, 2 * LOOKS_PER_SECOND))  # board.json and the stage queue's signal
+POLLING = {"current": CURRENT, "before": BEFORE}
 
 
 def work_requests(stages: int, explorations: int, items: int, units: int, queue_items: int) -> tuple[float, float]:
