@@ -23,7 +23,7 @@ run: venv
 
 test: venv
 	$(BIN)/ruff check
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 clean-runs:
 	rm -rf runs

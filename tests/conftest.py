@@ -46,3 +46,14 @@ def spotlight_cmd(*args: str, overrides: list[str]) -> list[str]:
 
 def run_cli(args: list[str], tmp: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=tmp, env=cli_env(tmp), capture_output=True, text=True, timeout=timeout)
+
+
+#: the longest files (CPU seconds on 2 cores), started first so that `make test`'s two xdist workers
+#: (``--dist loadfile``) finish together instead of one waiting on a long file picked up last
+LONGEST_FIRST = ("test_real_pipelines.py", "test_pipeline.py", "test_emulated_cluster.py", "test_s3_store.py",
+                 "test_prefect_deploy.py", "test_reward_runtime.py", "test_exploration.py", "test_memory.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order is kept
