@@ -85,9 +85,14 @@ def prefect_server(home: Path, timeout: float = 120) -> Iterator[PrefectServer]:
         _wait_healthy(url, proc, log, timeout)
         yield PrefectServer(url, env, log)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, 20)
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a process started with ``start_new_session``, and its children; SIGKILL after ``timeout``."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

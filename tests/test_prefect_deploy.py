@@ -33,7 +33,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFi
 from prefect.client.schemas.objects import Artifact, FlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from prefect_server import PrefectServer, prefect_server
+from prefect_server import PrefectServer, prefect_server, stop_process_group
 from spotlight import cost
 from spotlight.pool import pool_done
 from spotlight.store import RunStore
@@ -345,12 +345,7 @@ def cloud(server: PrefectServer, tmp_path_factory, cache_url) -> Iterator[CloudR
                 wait_for("the crash hook", lambda: all(status(r) == "CANCELLED" for r in run_jobs(api, urls["crash"])),
                          180, *logs)
             finally:
-                os.killpg(controller.pid, signal.SIGTERM)
-                try:
-                    controller.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(controller.pid, signal.SIGKILL)
-                    controller.wait()
+                stop_process_group(controller, 30)
             yield CloudRuns(server, api, f"file://{src}", commit, clone, log,
                             {"endpoint_url": moto.endpoint, "key": AWS["AWS_ACCESS_KEY_ID"],
                              "secret": AWS["AWS_SECRET_ACCESS_KEY"]}, runs, urls)
