@@ -122,6 +122,14 @@ class Ledger:
         self.store, self.worker, self.kind, self.local_price, self.slot = store, worker, kind, local_price, slot
         self.idle_from = time.time()  # the end of the previous entry: idle time starts here
         self.requests_from = self.attempt_requests_from = request_counts()
+        self.waiting_seconds, self.waiting_requests = 0.0, RequestCounts()
+
+    def waited(self, seconds: float, requests: RequestCounts) -> None:
+        """A round that looked for work and found none: its seconds and requests go into the next entry
+        as ``waiting_seconds`` / ``waiting_requests`` (already billed with the idle time; kept apart so
+        that what waiting costs is seen without the claims and reads around the work)."""
+        self.waiting_seconds += seconds
+        self.waiting_requests = self.waiting_requests + requests
 
     def idle(self) -> float:
         """Seconds held and idle since the previous entry. Call it as an attempt starts: the S3 requests
@@ -140,11 +148,13 @@ class Ledger:
             record(self.store, stage, iteration, max(seconds, 0.0), where["price_per_hour"],
                    f"{self.worker} on {where['instance']}", worker=self.worker, kind=self.kind,
                    instance=where["instance"], price_source=where["price_source"], outcome=outcome,
-                   idle_seconds=idle_seconds, requests=requests, idle_requests=idle_requests, **extra)
+                   idle_seconds=idle_seconds, requests=requests, idle_requests=idle_requests,
+                   waiting_seconds=self.waiting_seconds, waiting_requests=self.waiting_requests.as_dict(), **extra)
         except Exception as e:  # noqa: BLE001 - a ledger write must never turn into a lost stage
             log.warning("cost entry for %s %s not written: %s", stage, iteration, e)
         self.idle_from = time.time()
         self.requests_from = self.attempt_requests_from = request_counts()
+        self.waiting_seconds, self.waiting_requests = 0.0, RequestCounts()
 
 
 def process_start_time() -> float:
@@ -177,16 +187,13 @@ def total(store: RunStore) -> float:
 
 
 def requests_per_second_waiting(entries: list[dict[str, Any]]) -> dict[str, float]:
-    """Per process, the S3 requests it sent per second while it waited: a worker's idle periods (held,
-    no work in hand), the controller's waits on stages and explorations."""
+    """Per process, the S3 requests it sent per second while it waited: a worker's rounds that looked for
+    work and found none, the controller's waits on stages and explorations."""
     sent: dict[str, float] = {}
     seconds: dict[str, float] = {}
     for e in entries:
         who = e.get("worker") or e["stage"]
-        if e["stage"] == "controller":
-            n, t = sum(e.get("waiting_requests", {}).get(k, 0) for k in S3_PRICE_PER_1000), e.get("waiting_seconds", 0.0)
-        else:
-            n, t = sum(e.get("idle_requests", {}).get(k, 0) for k in S3_PRICE_PER_1000), e.get("idle_seconds", 0.0)
+        n, t = sum(e.get("waiting_requests", {}).get(k, 0) for k in S3_PRICE_PER_1000), e.get("waiting_seconds", 0.0)
         sent[who] = sent.get(who, 0.0) + n
         seconds[who] = seconds.get(who, 0.0) + t
     return {who: sent[who] / seconds[who] for who in sent if seconds[who] > 0}

@@ -36,7 +36,7 @@ from spotlight.config import ConfigError
 from spotlight.mounts import bucket_url, input_paths
 from spotlight.run import Run, check_inputs, distributed, open_run_from_url
 from spotlight.stage_queue import StageRequest, open_requests
-from spotlight.store import Commit
+from spotlight.store import Commit, request_counts
 from spotlight.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ class _Worker:
         idle_since, pace = time.monotonic(), Pacer(self.poll_seconds, max(self.poll_seconds, self.poll_high))
         try:
             while not self.stop.is_set():
+                looked, sent = time.monotonic(), request_counts()
                 self._list_work()
                 if self.over:
                     break
@@ -202,6 +203,7 @@ class _Worker:
                     t0 = time.monotonic()
                     self.stop.wait(pace.next())
                     self.total.idle_seconds += time.monotonic() - t0
+                    self.ledger.waited(time.monotonic() - looked, request_counts() - sent)
         except Preempted:
             pass  # the stage in hand was released; its attempt is in the ledger
         finally:

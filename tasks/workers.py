@@ -121,9 +121,8 @@ class ControllerMeter:
         now = time.time()
         if final or now - self.last >= self.every_seconds:
             seconds, requests = WAITING.seconds, WAITING.requests
-            self.ledger.record(CONTROLLER, None, now - self.last, Outcome.OK, 0.0,
-                               waiting_seconds=seconds - self.waited[0],
-                               waiting_requests=(requests - self.waited[1]).as_dict())
+            self.ledger.waited(seconds - self.waited[0], requests - self.waited[1])
+            self.ledger.record(CONTROLLER, None, now - self.last, Outcome.OK, 0.0)
             self.last, self.waited = now, (seconds, requests)
 
 

@@ -50,3 +50,21 @@ def test_the_cap_and_the_flow_timeout_are_placement_and_must_be_positive():
     for bad in ("placement.max_dollars=0", "placement.flow_timeout_hours=-1"):
         with pytest.raises(Exception, match="greater than 0"):
             load_config("configs/tiny.yaml", [bad])
+
+
+def test_waiting_is_counted_apart_from_the_idle_time_around_the_work(tmp_path):
+    """A worker's rounds that found no work (Ledger.waited) go into its next entry as waiting_seconds and
+    waiting_requests; the requests of claims and reads around the work stay in idle_requests only. The rate
+    per process is the waiting requests over the waiting seconds, summed over its entries."""
+    from spotlight.store import RequestCounts
+
+    store = RunStore(f"file://{tmp_path}/run")
+    ledger = cost.Ledger(store, "w1", "explorer", 3.6)
+    ledger.waited(4.0, RequestCounts(get=1))
+    ledger.waited(4.0, RequestCounts(get=1))
+    ledger.record("explore", 0, 10.0, cost.Outcome.OK, 8.0)
+    ledger.waited(2.0, RequestCounts(put=1, get=2))
+    ledger.record("idle", None, 0.0, cost.Outcome.EXIT, 2.0)
+    entries = sorted(cost.ledger(store), key=lambda e: e["recorded_at"])
+    assert [(e["waiting_seconds"], e["waiting_requests"]["get"]) for e in entries] == [(8.0, 2), (2.0, 2)]
+    assert cost.requests_per_second_waiting(entries) == {"w1": pytest.approx((2 + 3) / 10.0)}

@@ -252,7 +252,7 @@ def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(t
     waiting = cost.requests_per_second_waiting(entries)
     idle = Counter()
     for e in entries:
-        idle[e.get("worker") or e["stage"]] += e.get("waiting_seconds" if e["stage"] == "controller" else "idle_seconds", 0)
+        idle[e.get("worker") or e["stage"]] += e.get("waiting_seconds", 0)
     label = {who: (m.group(0) if (m := re.search(r"(trainer|explorer)-\d{4}", who)) else who) for who in waiting}
     print("S3 requests per process per second while waiting (waits of seconds, full of changes: see docs/cloud.md): "
           + ", ".join(f"{label[who]} {rate:.2f} over {idle[who]:.0f} s" for who, rate in sorted(waiting.items())))
