@@ -491,11 +491,13 @@ def _weight_bytes(config_json: str, kind: str) -> int:
     total = sum(p.bytes for p in _module_parts("transformer", policy.core, lora))
     total += sum(p.bytes for name, m in policy.frozen_modules().items() for p in _module_parts(name, m))
     names = list(cfg.rewards.train) + (list(cfg.rewards.eval) if kind == "trainer" else [])
-    for name in dict.fromkeys(names):
-        model = reward_model_on_meta(cfg, name)
-        if model is not None:
-            total += sum(p.bytes for p in _module_parts(name, model))
-    return total
+    return total + sum(reward_weight_bytes(cfg, name) or 0 for name in dict.fromkeys(names))
+
+
+def reward_weight_bytes(cfg: Config, name: str) -> int | None:
+    """Bytes of a reward model's weights as its builder loads them; None for a reward with no model here."""
+    model = reward_model_on_meta(cfg, name)
+    return None if model is None else sum(p.bytes for p in _module_parts(name, model))
 
 
 # -- placement ----------------------------------------------------------------------------------------

@@ -41,8 +41,7 @@ def _on_disk(folder: str | None) -> int | None:
 
 def weight_bytes(cfg: Config) -> WeightBytes:
     """Frozen weight bytes a trainer loads at boot, with where the figure comes from."""
-    from spotlight.memory import bytes_by_dtype, module_tensors
-    from spotlight.memory_plan import reward_model_on_meta, worker_weight_bytes
+    from spotlight.memory_plan import reward_weight_bytes, worker_weight_bytes
 
     found = _on_disk(getattr(cfg.model, "pretrained", None))
     if found is None:
@@ -51,12 +50,12 @@ def weight_bytes(cfg: Config) -> WeightBytes:
     parts, sources = [found], [f"{cfg.model.pretrained} on disk"]
     for name in sorted({*cfg.rewards.train, *cfg.rewards.eval}):
         found = _on_disk(getattr(getattr(cfg.rewards, name, None), "model", None))
-        model = reward_model_on_meta(cfg, name) if found is None else None
+        counted = reward_weight_bytes(cfg, name) if found is None else None
         if found is not None:
             parts.append(found)
             sources.append(f"{name} weights on disk")
-        elif model is not None:
-            parts.append(sum(bytes_by_dtype(module_tensors(model)).values()))
+        elif counted is not None:
+            parts.append(counted)
             sources.append(f"{name}: the memory plan's count")
     return WeightBytes(sum(parts), "; ".join(sources))
 
