@@ -42,12 +42,15 @@ def curve(run_url: str, cache_url: str, seed: int, iterations: int, sets: list[s
 
     run = open_run(run_url, cache_url, seed, iterations, sets)
     stages.pretrain(run)
-    out: dict[str, list[float]] = {"eval_reward": [], "clip_frac": [], "mean_abs_log_ratio": [], "approx_kl": []}
+    out: dict[str, list[float]] = {"eval_reward": [], "clip_frac": [], "mean_abs_log_ratio": [], "approx_kl": [],
+                                   "diversity_vs_base": [], "realism_digits": []}
     for t in range(iterations):
         update = stages.update(run, t).json("metrics.json")
         for key in ("clip_frac", "mean_abs_log_ratio", "approx_kl"):
             out[key].append(update.get(key, float("nan")))
-        out["eval_reward"].append(stages.evaluate(run, t + 1).json("metrics.json")["eval_reward"])
+        metrics = stages.evaluate(run, t + 1).json("metrics.json")
+        for key in ("eval_reward", "diversity_vs_base", "realism_digits"):
+            out[key].append(metrics.get(key))
     for t in (0, iterations):  # quality the reward does not see, when the evaluation records it
         metrics = stages.evaluate(run, t).json("metrics.json")
         for key in ("diversity", "realism_digits"):

@@ -159,11 +159,13 @@ class Ledger:
 
 def process_start_time() -> float:
     """When this process started (Linux: /proc), so what it did before its first entry is paid for too (a
-    worker's imports, the controller's boot)."""
+    worker's imports, the controller's boot). Counted back from now through ``/proc/uptime`` (10 ms
+    steps), not from ``/proc/stat``'s ``btime``, which is truncated to the second and could put the start
+    up to a second early."""
     try:
         ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
 

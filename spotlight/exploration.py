@@ -10,6 +10,7 @@ that of a clean one.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ from spotlight.store import AlreadyExistsError, json_bytes
 from spotlight.work_queue import WorkQueue
 
 QUEUE_PREFIX = "queues"
+JOIN_CHECK_EVERY = 3.0  # seconds between two looks at the key that frees the trainers (``explore_queue``)
 
 
 def policy_iteration(cfg: Config, t: int) -> int:
@@ -166,10 +168,12 @@ def explore_queue(run: Run, t: int, queue: WorkQueue, items: list[dict[str, Any]
     joined = trainers_join is True
     if joined:
         let_trainers_join(queue, "the flow waits for this exploration")
-    last_progress, pace = time.monotonic(), pacer(run.store)
+    last_progress, pace, join_checked = time.monotonic(), pacer(run.store), -math.inf
     with WAITING.waiting():
+        if queue.just_published and not inline:  # published just now: nothing can be done yet
+            time.sleep(pace.next())
         while True:
-            changed, drained = queue.look()  # one HEAD while nothing changes
+            changed, drained = queue.look()  # one GET
             if drained:
                 break
             if inline:
@@ -178,10 +182,12 @@ def explore_queue(run: Run, t: int, queue: WorkQueue, items: list[dict[str, Any]
             if changed:
                 last_progress = time.monotonic()
                 pace.reset()
-            if not joined and isinstance(trainers_join, str) and run.store.is_committed(trainers_join):
-                let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
-                joined = True
-            elif not joined and time.monotonic() - last_progress > run.cfg.placement.stall_seconds:
+            if not joined and isinstance(trainers_join, str) and time.monotonic() - join_checked >= JOIN_CHECK_EVERY:
+                join_checked = time.monotonic()  # one HEAD: a few seconds late costs a few seconds of a trainer
+                if run.store.is_committed(trainers_join):
+                    let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
+                    joined = True
+            if not joined and time.monotonic() - last_progress > run.cfg.placement.stall_seconds:
                 let_trainers_join(queue, f"no progress for {run.cfg.placement.stall_seconds:g} s")
                 joined = True
             time.sleep(pace.next())

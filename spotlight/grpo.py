@@ -42,7 +42,7 @@ def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adva
     return loss, stats
 
 
-def step_kl(step: SDEStep, ref_step: SDEStep) -> torch.Tensor:
+def step_kl(step: SDEStep, ref_step: SDEStep, exact: bool = False) -> torch.Tensor:
     """flow_grpo's KL of a step to the reference's, per row [B]: the mean over latent dimensions of
     ``(mean - mean_ref)**2``, divided by ``2 * std_t**2`` (``std_t``: the SDE's diffusion coefficient at
     the step's sigma, flow_grpo's ``std_dev_t``; no ``dt``).
@@ -50,9 +50,11 @@ def step_kl(step: SDEStep, ref_step: SDEStep) -> torch.Tensor:
     The exact KL between the two Gaussian steps, N(mean, std_t**2 |dt| I) and N(mean_ref, same), per
     latent dimension is ``(mean - mean_ref)**2 / (2 * std_t**2 * |dt|)``: this term is that times ``|dt|``
     (the step's width in sigma). Dividing by the step's own variance instead, as the exact KL does, makes
-    the same ``kl_beta`` 1/|dt| times stronger: 3.7-25x on a 10-step shift-3 schedule.
+    the same ``kl_beta`` 1/|dt| times stronger: 3.7-25x on a 10-step shift-3 schedule. ``exact`` gives that
+    form, whose sum over the steps is the KL of the whole trajectory to the reference's.
     """
-    return ((step.mean - ref_step.mean) ** 2).mean(dim=tuple(range(1, step.mean.ndim))) / (2 * step.std_t.flatten() ** 2)
+    scale = (step.std if exact else step.std_t).flatten()
+    return ((step.mean - ref_step.mean) ** 2).mean(dim=tuple(range(1, step.mean.ndim))) / (2 * scale**2)
 
 
 @dataclass
@@ -68,7 +70,8 @@ class UpdateBatch:
 
 def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                batch: UpdateBatch, *, optimizer_steps: int, clip_range: float, noise_level: float,
-               guidance: float, max_grad_norm: float, kl_beta: float = 0.0, microbatch_size: int | None = None,
+               guidance: float, max_grad_norm: float, kl_beta: float = 0.0, kl_exact: bool = False,
+               microbatch_size: int | None = None,
                trained_steps: int | None = None, generator: torch.Generator, rank: int = 0, world: int = 1,
                after_step: Callable[[], None] | None = None) -> list[dict[str, float]]:
     """One pass over the (sample, timestep) rows in a seeded shuffled order, in ``optimizer_steps``
@@ -107,7 +110,8 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
             last = c == len(chunks) - 1
             sync = nullcontext() if last or not hasattr(policy.transformer, "no_sync") else policy.transformer.no_sync()
             with sync:  # DDP all-reduces once per minibatch, on its last microbatch
-                loss, st = _rows_loss(policy, batch, chunk, steps, clip_range, noise_level, guidance, kl_beta)
+                loss, st = _rows_loss(policy, batch, chunk, steps, clip_range, noise_level, guidance, kl_beta,
+                                      kl_exact)
                 (loss * share * len(chunk) / len(sel)).backward()
             parts.append((len(chunk), loss.item(), st))
         st = {key: sum(w * p[key] for w, _, p in parts) / len(sel) for key in parts[0][2] if key != "max_abs_log_ratio"}
@@ -123,7 +127,8 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
 
 
 def _rows_loss(policy: Policy, batch: UpdateBatch, sel: torch.Tensor, steps: int, clip_range: float,
-               noise_level: float, guidance: float, kl_beta: float) -> tuple[torch.Tensor, dict[str, float]]:
+               noise_level: float, guidance: float, kl_beta: float,
+               kl_exact: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """The mean clipped loss (+ KL) of rows ``sel`` (sample * steps + step), and its statistics."""
     ro = batch.rollout
     i, k = sel // steps, sel % steps
@@ -135,7 +140,7 @@ def _rows_loss(policy: Policy, batch: UpdateBatch, sel: torch.Tensor, steps: int
         with torch.no_grad(), policy.reference() as reference:
             _, ref_step = step_log_prob(reference, x, x_next, k, batch.cond[i], uncond, batch.sigmas,
                                         noise_level, guidance)
-        kl = step_kl(step, ref_step)
+        kl = step_kl(step, ref_step, kl_exact)
         loss = loss + kl_beta * kl.mean()
         st["kl_ref"] = kl.mean().item()
     return loss, st

@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from spotlight.store import RequestCounts, RunStore, StoreError, json_bytes, request_counts
+from spotlight.store import RequestCounts, RunStore, StoreError, counting_requests, json_bytes
 
 POOL_DONE, POOL_BROKEN, POOL_SLOTS, BOARD = "pool/done.json", "pool/broken.json", "pool/slots", "pool/board.json"
-#: S3: look again after a tenth of the time waited so far, from half a second up to a few seconds
-S3_POLL, LOCAL_POLL = (0.5, 4.0), (0.02, 0.02)
+#: S3: look again after a tenth of the time waited so far, from a second up to a few seconds
+S3_POLL, LOCAL_POLL = (1.0, 4.0), (0.02, 0.02)
 
 
 def poll_range(store: RunStore) -> tuple[float, float]:
@@ -69,20 +70,23 @@ class Pacer:
 
 class WaitMeter:
     """This process's time spent waiting on the store (for a stage, for an exploration) and the S3 requests
-    it sent meanwhile: what waiting costs, apart from the process's other work (the controller's ledger
-    entries carry it)."""
+    the waiting threads sent meanwhile: what waiting costs, apart from the process's other work, done in
+    other threads at the same time (the controller's ledger entries carry it)."""
 
     def __init__(self) -> None:
         self.seconds, self.requests = 0.0, RequestCounts()
+        self._lock = threading.Lock()
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
-        t0, r0 = time.monotonic(), request_counts()
-        try:
-            yield
-        finally:
-            self.seconds += time.monotonic() - t0
-            self.requests = self.requests + (request_counts() - r0)
+        t0 = time.monotonic()
+        with counting_requests() as sent:
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self.seconds += time.monotonic() - t0
+                    self.requests = self.requests + sent()
 
 
 WAITING = WaitMeter()
@@ -113,19 +117,32 @@ def mark_pool_done(store: RunStore, reason: str) -> None:
     post_notice(store, "the pool is done")
 
 
+#: the broken markers this process wrote (run store URL -> record): its own waiters learn of them for free
+_BROKEN_HERE: dict[str, dict[str, Any]] = {}
+
+
 def reset_pool(store: RunStore) -> None:
     """A flow starting (or resuming) the run: workers are wanted again."""
     store.delete(POOL_DONE)
     store.delete(POOL_BROKEN)
+    _BROKEN_HERE.pop(store.url, None)
     post_notice(store, "the pool starts")
 
 
 def mark_pool_broken(store: RunStore, slot: str, reason: str) -> None:
-    store.put_json(POOL_BROKEN, {"slot": slot, "reason": reason, "at": time.time()})
+    record = {"slot": slot, "reason": reason, "at": time.time()}
+    store.put_json(POOL_BROKEN, record)
+    _BROKEN_HERE[store.url] = record
     post_notice(store, f"the pool is broken ({slot})")
 
 
-def pool_broken(store: RunStore) -> dict[str, Any] | None:
+def pool_broken(store: RunStore, read: bool = True) -> dict[str, Any] | None:
+    """The pool's broken marker: the one this process wrote at no cost (the flow's own pool), else, when
+    ``read``, one GET (a pool in another process)."""
+    if store.url in _BROKEN_HERE:
+        return _BROKEN_HERE[store.url]
+    if not read:
+        return None
     try:
         return store.get_json(POOL_BROKEN)
     except StoreError:

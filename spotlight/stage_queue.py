@@ -24,7 +24,6 @@ first (``WorkQueue.release_stale``).
 
 from __future__ import annotations
 
-import math
 import re
 import time
 import traceback
@@ -38,7 +37,8 @@ from spotlight.work_queue import WorkQueue
 STAGE_PREFIX = "stages"
 TRAINER_STAGES = ("pretrain", "evaluate", "ranking", "update")  # the order a trainer takes open requests in
 _REQUEST = re.compile(r"([a-z]+)-(\d{4})-a(\d{2})")
-BROKEN_EVERY = 5.0  # seconds between two reads of the pool's broken marker while waiting on a stage
+BROKEN_EVERY = 15.0  # seconds between two reads of the pool's broken marker (and the failure) while waiting
+QUIET_EVENTS = frozenset({"published", "claimed", "units", "done"})  # changes that cannot be a failure
 
 
 class StageFailed(RuntimeError):
@@ -137,32 +137,36 @@ def wait(request: StageRequest, poll_seconds: float | None = None,
     attempt failed, or with the pool's reason if a worker could not be kept alive (``on_poll``, called
     each look, may raise too; ``timeout_seconds``: TimeoutError after that long).
 
-    A look is one HEAD of the attempt's ``progress.json`` (the marker and the failure are read only when
-    it changed), paced by :class:`spotlight.pool.Pacer` (``poll_seconds``: flat instead); the pool's broken
-    marker is read every ``BROKEN_EVERY`` seconds."""
+    A look is one GET of the attempt's ``progress.json`` (:meth:`WorkQueue.look`); the done marker is read
+    once the look finds the item done, the failure when a change may be one (a failure, a hand-back, or
+    every ``BROKEN_EVERY`` seconds); paced by :class:`spotlight.pool.Pacer` (``poll_seconds``: flat
+    instead), as is the pool's broken marker."""
     queue, pace = request.queue(), pacer(request.store, poll_seconds)
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
-    broken_at = -math.inf
+    checked_at = time.monotonic()  # the failure and the broken marker: read every BROKEN_EVERY seconds
     with WAITING.waiting():
+        if queue.just_published:  # posted just now by this process: nothing can be done yet
+            time.sleep(pace.next())
         while True:
-            changed, _ = queue.look()
+            changed, drained = queue.look()
             if changed:
                 pace.reset()
-                done = request.done()
-                if done is not None:
-                    return done
+            if drained and (done := request.done()) is not None:
+                return done
+            full = time.monotonic() - checked_at >= BROKEN_EVERY
+            if (changed and queue.last_event not in QUIET_EVENTS) or full:
                 failed = request.failure()
                 if failed is not None:
                     raise StageFailed(f"{request.stage} of iteration {request.iteration} (attempt {request.attempt}) "
                                       f"failed on worker {failed['worker']}: {failed['error']}\n"
                                       f"--- the worker's traceback (tail) ---\n{failed['traceback_tail'].rstrip()}",
                                       failed)
-            if time.monotonic() - broken_at >= BROKEN_EVERY:
-                broken_at = time.monotonic()
-                broken = pool_broken(request.store)
-                if broken is not None:
-                    raise StageFailed(f"{request.stage} of iteration {request.iteration} cannot run: the worker pool "
-                                      f"is broken: {broken['reason']}", broken)
+            if full:
+                checked_at = time.monotonic()
+            broken = pool_broken(request.store, read=full)  # this process's own pool: every look, at no cost
+            if broken is not None:
+                raise StageFailed(f"{request.stage} of iteration {request.iteration} cannot run: the worker pool "
+                                  f"is broken: {broken['reason']}", broken)
             if on_poll is not None:
                 on_poll()
             if deadline is not None and time.monotonic() > deadline:
@@ -196,6 +200,7 @@ def open_requests(store: RunStore, final: set[str] | None = None,
 
 
 def settled(request: StageRequest) -> bool:
-    """Done or failed (never to reopen): one HEAD while the attempt's queue does not change."""
-    changed, drained = request.queue().look()
-    return drained or (changed and request.failure() is not None)
+    """Done or failed (never to reopen): one GET while the attempt's queue does not change."""
+    queue = request.queue()
+    changed, drained = queue.look()
+    return drained or (changed and queue.last_event not in QUIET_EVENTS and request.failure() is not None)

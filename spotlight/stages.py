@@ -255,7 +255,8 @@ def update(run: Run, t: int, key: str) -> Commit:
     for epoch in range(gc.epochs):
         stats += grpo_epoch(policy, params, optimizer, batch, optimizer_steps=gc.optimizer_steps,
                             clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
-                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, microbatch_size=gc.microbatch_size,
+                            max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, kl_exact=gc.kl_form == "exact",
+                            microbatch_size=gc.microbatch_size,
                             trained_steps=cfg.trained_steps,
                             generator=generator(cfg.run.seed, "minibatches", t, epoch),
                             rank=accelerator.process_index if accelerator else 0,

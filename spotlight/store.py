@@ -37,8 +37,10 @@ import secrets
 import shutil
 import threading
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
@@ -206,17 +208,23 @@ class _RequestCounter:
 
 _COUNTER = _RequestCounter()
 os.register_at_fork(after_in_child=_COUNTER.reset)
+#: the counters of :func:`counting_requests` windows open in this thread (a context variable: s3fs runs
+#: its requests on its own event loop, in tasks that copy the calling thread's context)
+_OWN: ContextVar[tuple[_RequestCounter, ...]] = ContextVar("spotlight_own_requests", default=())
 _SESSION: tuple[int, Any] | None = None  # (pid, aiobotocore session) whose clients s3fs creates
 
 
 def _on_send(event_name: str, request: Any, **_: Any) -> None:
     """botocore's ``before-send`` hook: once per HTTP attempt, with the operation in the event name."""
-    _COUNTER.add(request_class(event_name.rsplit(".", 1)[-1], request.method))
+    kind = request_class(event_name.rsplit(".", 1)[-1], request.method)
+    for counter in (_COUNTER, *_OWN.get()):
+        counter.add(kind)
 
 
 def _on_response(response_dict: Any = None, **_: Any) -> None:
     if response_dict is None:  # the attempt raised before any HTTP response came back
-        _COUNTER.add("unanswered")
+        for counter in (_COUNTER, *_OWN.get()):
+            counter.add("unanswered")
 
 
 def count_requests(session: Any) -> None:
@@ -242,6 +250,18 @@ def _counted_session() -> Any:
 def request_counts() -> RequestCounts:
     """The S3 requests this process has sent so far (take two snapshots and subtract for a window)."""
     return _COUNTER.snapshot()
+
+
+@contextmanager
+def counting_requests() -> Iterator[Callable[[], RequestCounts]]:
+    """Count the S3 requests this thread sends inside the block, and only those (another thread's work
+    in the same process is not counted): yields a function that returns them so far."""
+    counter = _RequestCounter()
+    token = _OWN.set((*_OWN.get(), counter))
+    try:
+        yield counter.snapshot
+    finally:
+        _OWN.reset(token)
 
 
 def _durable_temp(path: str, data: bytes) -> str:

@@ -21,9 +21,10 @@ twice (by a zombie holder and its successor) is harmless: the first result is ke
 
 Waiting is cheap (O(1) requests a look, whatever the queue's size): a worker's ``claim`` on a queue whose
 items are all held costs one HEAD of ``freed.json`` until an item is handed back or a lease it saw could
-have expired (then one LIST of all leases, however many items); ``drained`` and ``changed`` cost one HEAD
-of ``progress.json`` until the queue changes. Every change writes its state first and the signal after,
-with a body of its own, so a reader that sees a signal's new version and then reads finds the change.
+have expired (then one LIST of all leases, however many items); a ``look`` (``drained``, ``changed``) is
+one GET of ``progress.json``, whose body names the change and the done items its writer saw. Every change
+writes its state first and the signal after, with a body of its own, so a reader that sees a signal's new
+version and then reads finds the change.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
 NAME = re.compile(r"[A-Za-z0-9_=+-]{1,200}")  # no dots: temp files of in-flight local writes contain one
 LEASE = re.compile(r"(\d{6})-(\d{6}|released)")
 PROGRESS, FREED = "progress.json", "freed.json"  # signals: any change; an item handed back (or published)
+#: what a change's signal may name; a body naming none of these (or none at all) makes its reader list
+EVENTS = frozenset({"published", "claimed", "units", "released", "done", "failed"})
+FULL_LOOK_EVERY = 30.0  # seconds: a waiter lists the done markers at least this often while undrained
 log = logging.getLogger(__name__)
 
 
@@ -93,7 +97,12 @@ class WorkQueue:
     _unit_cache: dict[str, Any] = field(default_factory=dict, repr=False)
     _done_cache: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
     _idle_look: tuple[str | None, float] = field(default=(None, 0.0), repr=False)  # freed.json, until when
-    _seen: tuple[str | None, set[str]] | None = field(default=None, repr=False)  # progress.json, done markers
+    _seen: bytes | None = field(default=None, repr=False)  # progress.json's body at the last look
+    _looked_at: float | None = field(default=None, repr=False)  # monotonic, the last look (None: never)
+    _listed_at: float = field(default=-math.inf, repr=False)  # monotonic, the last listing of the done markers
+    _done_known: set[str] = field(default_factory=set, repr=False)  # done items (markers are never removed)
+    last_event: str | None = field(default=None, repr=False)  # what the last change seen was (``look``)
+    just_published: bool = field(default=False, repr=False)  # this object published the items, not looked since
 
     def __post_init__(self) -> None:
         self.prefix = self.prefix.strip("/")
@@ -107,7 +116,10 @@ class WorkQueue:
         key = f"{self.prefix}/items"
         if not self.store.is_committed(key):
             self.store.commit(key, {"items.json": json_bytes(items)}, {"items": len(items)})
-            self._signal(PROGRESS, FREED)
+            # nothing is done yet: this object's first look needs no listing, and its waiter may sleep first
+            self._seen = self._signal(PROGRESS, FREED, event="published")
+            self._looked_at = self._listed_at = time.monotonic()
+            self.just_published = True
         published = self.store.load(key).json("items.json")
         if published != json.loads(json_bytes(items)):
             raise QueueError(f"{self.store.url}/{self.prefix} already holds {len(published)} other items; "
@@ -171,7 +183,7 @@ class WorkQueue:
             except AlreadyExistsError:
                 continue  # another worker claimed this epoch first
             self._idle_look = (None, 0.0)
-            self._signal(PROGRESS)
+            self._signal(PROGRESS, event="claimed", done=done)
             return Claim(item, worker, epoch, expires)
         self._idle_look = (freed, held_until)
         return None
@@ -194,32 +206,56 @@ class WorkQueue:
         return {item: written + self.lease_seconds for item, (_, released, written) in newest.items() if not released}
 
     def look(self) -> tuple[bool, bool]:
-        """(changed since the previous look, drained): one HEAD of ``progress.json``; the done markers are
-        listed again only when it changed. A change is a claim, a hand-back, recorded units, a completion
-        or a failure (``mark_changed``); the first look says changed."""
-        items = self.items()
-        version = self.store.version(self._signal_key(PROGRESS))
-        changed = self._seen is None or version is None or version != self._seen[0]
-        if changed:
-            self._seen = (version, self._done())
-        return changed, bool(items) and len(self._seen[1]) == len(items)
+        """(changed since the previous look, drained): one GET of ``progress.json``, whatever happened.
 
-    def mark_changed(self) -> None:
-        """Tell the queue's watchers something changed (e.g. a stage attempt recorded its failure)."""
-        self._signal(PROGRESS)
+        A change is a claim, a hand-back, recorded units, a completion or a failure (``mark_changed``);
+        the body names it (``last_event``) and, for a claim or a completion, the done items its writer saw
+        (a completion lists the done markers after creating its own). The done markers are listed only at
+        the first look, after a change the body cannot account for, and every ``FULL_LOOK_EVERY``
+        seconds while the queue is not drained (a completion whose signal a later change overwrote
+        before anyone read it). The first look says changed."""
+        items = self.items()
+        raw = self._signal_body(PROGRESS)
+        now = time.monotonic()
+        changed = self._looked_at is None or raw != self._seen
+        body = _signal_fields(raw) if changed else {}
+        if changed:
+            self._seen, self.last_event = raw, body.get("event")
+            self._done_known.update(body.get("done", ()))
+        drained = bool(items) and self._done_known >= {it["id"] for it in items}
+        if self._looked_at is None or (changed and body.get("event") not in EVENTS) or (
+                not drained and now - self._listed_at >= FULL_LOOK_EVERY):
+            self._done_known.update(self._done())
+            self._listed_at = now
+            drained = bool(items) and self._done_known >= {it["id"] for it in items}
+        self._looked_at, self.just_published = now, False
+        return changed, drained
+
+    def mark_changed(self, event: str = "failed") -> None:
+        """Tell the queue's watchers something changed (a stage attempt recorded its failure)."""
+        self._signal(PROGRESS, event=event)
 
     def _signal_key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
 
-    def _signal(self, *names: str) -> None:
-        """Rewrite signal objects after a change (each body unique, so each write is a new version). A hint:
-        a failed write only delays a reader until it looks in full (a lease's expiry), and is logged."""
-        body = json_bytes({"at": self.clock(), "nonce": secrets.token_hex(8)})
+    def _signal_body(self, name: str) -> bytes | None:
+        try:
+            return self.store.read_bytes(self._signal_key(name), small=True)
+        except StoreError:
+            return None
+
+    def _signal(self, *names: str, event: str, done: set[str] | None = None) -> bytes:
+        """Rewrite signal objects after a change (each body unique, so each write is a new version), naming
+        the change and the done items the writer knows. A hint: a failed write only delays a reader until
+        it looks in full (``FULL_LOOK_EVERY``, a lease's expiry), and is logged."""
+        body = json_bytes({"at": self.clock(), "nonce": secrets.token_hex(8), "event": event,
+                           **({} if done is None else {"done": sorted(done)})})
         for name in names:
             try:
                 self.store.write_bytes(self._signal_key(name), body)
             except (StoreError, OSError) as e:
                 log.warning("%s/%s not written: %s", self.prefix, name, e)
+        return body
 
     def renew(self, claim: Claim) -> None:
         """Extend the lease by lease_seconds (heartbeat); raises LeaseLostError if it was taken over."""
@@ -237,7 +273,7 @@ class WorkQueue:
                                     json_bytes({"worker": claim.worker, "epoch": claim.epoch, "at": self.clock()}))
         except AlreadyExistsError:
             return
-        self._signal(PROGRESS, FREED)
+        self._signal(PROGRESS, FREED, event="released")
 
     def release_stale(self, worker: str) -> list[str]:
         """Release the items whose newest lease ``worker`` holds: called by a worker as it starts, so the
@@ -317,7 +353,7 @@ class WorkQueue:
             claim.recorded[unit] = json.loads(data)["result"]  # as a reader will see it
             new += 1
         if new:
-            self._signal(PROGRESS)
+            self._signal(PROGRESS, event="units")
         return new
 
     def complete(self, claim: Claim) -> bool:
@@ -336,7 +372,7 @@ class WorkQueue:
                 {"worker": claim.worker, "epoch": claim.epoch, "at": self.clock(), "results": results}))
         except AlreadyExistsError:
             return False
-        self._signal(PROGRESS)
+        self._signal(PROGRESS, event="done", done=self._done())  # this worker's LIST: waiters need none
         return True
 
     def done_by(self, item_id: str) -> str | None:
@@ -386,6 +422,15 @@ class WorkQueue:
     def _recorded(self, item_id: str) -> set[str]:
         units = set(self.item(item_id)["units"])
         return {n for n in self.store.list(f"{self.prefix}/units/{item_id}") if n in units}
+
+
+def _signal_fields(raw: bytes | None) -> dict[str, Any]:
+    """A signal's body, or {} when it is missing or unreadable (its reader then lists)."""
+    try:
+        body = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _check_name(name: Any, what: str) -> None:

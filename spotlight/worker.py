@@ -36,7 +36,7 @@ from spotlight.config import ConfigError
 from spotlight.mounts import bucket_url, input_paths
 from spotlight.run import Run, check_inputs, distributed, open_run_from_url
 from spotlight.stage_queue import StageRequest, open_requests
-from spotlight.store import Commit, request_counts
+from spotlight.store import Commit, counting_requests
 from spotlight.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -189,21 +189,23 @@ class _Worker:
         idle_since, pace = time.monotonic(), Pacer(self.poll_seconds, max(self.poll_seconds, self.poll_high))
         try:
             while not self.stop.is_set():
-                looked, sent = time.monotonic(), request_counts()
-                self._list_work()
-                if self.over:
-                    break
-                if (self.kind == "trainer" and self._take_stage()) or self._take_exploration():
-                    idle_since = time.monotonic()
-                    pace.reset()
-                    self.listed_at = -math.inf  # after work, look for what was posted meanwhile
-                elif time.monotonic() - idle_since >= idle_exit_seconds:
-                    break
-                else:
+                looked = time.monotonic()
+                with counting_requests() as sent:  # this thread's: not the lease renewals beside it
+                    self._list_work()
+                    if self.over:
+                        break
+                    worked = (self.kind == "trainer" and self._take_stage()) or self._take_exploration()
+                    if worked:
+                        idle_since = time.monotonic()
+                        pace.reset()
+                        self.listed_at = -math.inf  # after work, look for what was posted meanwhile
+                        continue
+                    if time.monotonic() - idle_since >= idle_exit_seconds:
+                        break
                     t0 = time.monotonic()
                     self.stop.wait(pace.next())
                     self.total.idle_seconds += time.monotonic() - t0
-                    self.ledger.waited(time.monotonic() - looked, request_counts() - sent)
+                    self.ledger.waited(time.monotonic() - looked, sent())
         except Preempted:
             pass  # the stage in hand was released; its attempt is in the ledger
         finally:

@@ -68,3 +68,18 @@ def test_waiting_is_counted_apart_from_the_idle_time_around_the_work(tmp_path):
     entries = sorted(cost.ledger(store), key=lambda e: e["recorded_at"])
     assert [(e["waiting_seconds"], e["waiting_requests"]["get"]) for e in entries] == [(8.0, 2), (2.0, 2)]
     assert cost.requests_per_second_waiting(entries) == {"w1": pytest.approx((2 + 3) / 10.0)}
+
+
+def test_a_process_start_time_lies_between_its_launch_and_its_first_line():
+    """The ledger bills a worker from its process's start: never before it was launched (``btime`` in
+    /proc/stat is truncated to the second, which put starts up to a second early), never after it ran."""
+    import subprocess
+    import sys
+    import time
+
+    code = "import time; ran = time.time(); from spotlight.cost import process_start_time; print(ran, process_start_time())"
+    for _ in range(3):
+        launched = time.time()
+        ran, started = map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                 check=True).stdout.split())
+        assert launched - 0.02 <= started <= ran, (launched, started, ran)

@@ -100,3 +100,19 @@ def test_sigterm_mid_stage_releases_it_and_keeps_what_is_finished(tmp_path):
     assert stages.is_committed(run, "pretrain", 0)
     outcomes = [e["outcome"] for e in cost.ledger(run.store) if e["stage"] == "pretrain"]
     assert sorted(outcomes) == ["ok", "preempted"], outcomes
+
+
+def test_a_pool_broken_by_another_process_fails_the_waiting_stage_within_a_check(tmp_path, monkeypatch):
+    """A waiter reads the pool's broken marker every BROKEN_EVERY seconds (the flow's own pool tells it
+    at no cost): written here as another process writes it, the wait raises the pool's reason."""
+    from spotlight.pool import POOL_BROKEN
+    from spotlight.store import RunStore
+
+    store = RunStore(f"file://{tmp_path}/run")
+    request = stage_queue.post(store, "update", 0, lease_seconds=30)
+    monkeypatch.setattr(stage_queue, "BROKEN_EVERY", 0.2)
+    store.put_json(POOL_BROKEN, {"slot": "trainer-0", "reason": "the trainer ended 4 times", "at": time.time()})
+    started = time.monotonic()
+    with pytest.raises(stage_queue.StageFailed, match="worker pool is broken: the trainer ended 4 times"):
+        stage_queue.wait(request, poll_seconds=0.05, timeout_seconds=30)
+    assert time.monotonic() - started < 5

@@ -19,7 +19,7 @@ import pytest
 from queue_handler import handler, make_items, unit_result
 from spotlight import stage_queue
 from spotlight.pool import S3_POLL
-from spotlight.store import RequestCounts, RunStore, request_counts
+from spotlight.store import RequestCounts, RunStore, counting_requests, request_counts
 from spotlight.work_queue import Claim, LeaseLostError, QueueError, WorkQueue
 from spotlight.queue_worker import run_worker
 
@@ -376,10 +376,11 @@ def test_spotlight_worker_command_explores_a_runs_queue(small_overrides, tmp_pat
 # -- waiting is O(1) requests a look ------------------------------------------------------------------
 def test_waiting_costs_the_same_few_requests_a_look_whatever_the_queues_size(moto_endpoint, tmp_path):
     """On S3 (moto), counted as AWS bills them: with every item of a 28-item queue held by busy workers,
-    an idle worker's look for work is one HEAD (``freed.json``) and a waiter's look one HEAD
+    an idle worker's look for work is one HEAD (``freed.json``) and a waiter's look one GET
     (``progress.json``), a stage waiter's too (it reads the pool's broken marker every few seconds). A
-    hand-back, a change, or a lease that may have expired makes the next look a full one (2 LISTs, however
-    many items)."""
+    change costs a waiter nothing more (the signal's body names it, and a completion the done items), a
+    body it cannot read makes it list the done markers; a hand-back or a lease that may have expired makes
+    an idle worker's next look a full one (2 LISTs, however many items)."""
     costs = {}
     for n in (4, 28):
         store = make_store("s3", tmp_path, moto_endpoint)
@@ -400,14 +401,23 @@ def test_waiting_costs_the_same_few_requests_a_look_whatever_the_queues_size(mot
         assert first.put == 2 and all(c == RequestCounts(get=1) for c in steady), (first, steady)  # 2 LISTs, then 1 HEAD
         first, *steady = cost(waiter.look)
         assert all(c == RequestCounts(get=1) for c in steady), steady
+        costs[n] = steady[-1]
         busy.record(claims[0], {claims[0].item["units"][0]: unit_result(claims[0].item["units"][0])})
-        assert cost(waiter.look, 1) == [RequestCounts(put=1, get=1)]  # it changed: the done markers again
+        assert cost(waiter.look, 1) == [RequestCounts(get=1)] and waiter.last_event == "units"  # no listing
         assert cost(lambda: idle.claim("idle"), 1) == [RequestCounts(get=1)]  # nothing was handed back
+        if n == 4:  # every completion is seen in the body: the last look says drained, still one GET
+            for c in claims:
+                busy.record(c, {u: unit_result(u) for u in c.item["units"]})
+                assert busy.complete(c)
+                assert cost(waiter.look, 1) == [RequestCounts(get=1)] and waiter.last_event == "done"
+            assert waiter.look()[1], "drained, from the completions' bodies alone"
+            store.write_bytes("q/progress.json", b"not json")  # a body it cannot read: it lists
+            assert cost(waiter.look, 1) == [RequestCounts(put=1, get=1)]
+            continue
         busy.release(claims[-1])
         took = idle.claim("idle")
         assert took is not None and took.item_id == claims[-1].item_id  # the hand-back is seen at once
-        costs[n] = steady[-1]
-    assert costs[4] == costs[28], "a look does not grow with the queue"
+    assert costs[4] == costs[28] == RequestCounts(get=1), "a look does not grow with the queue"
     # a stage waiter: one HEAD of the attempt's progress a look
     store = make_store("s3", tmp_path, moto_endpoint)
     request = stage_queue.post(store, "update", 0, lease_seconds=60)
@@ -426,9 +436,34 @@ def test_waiting_costs_the_same_few_requests_a_look_whatever_the_queues_size(mot
 
     with pytest.raises(Enough):
         stage_queue.wait(request, poll_seconds=0.01, on_poll=on_poll)
-    assert looks[0] == RequestCounts(put=1, get=4)  # the first also lists and reads the (absent) done and failure
-    assert all(c == RequestCounts(get=1) for c in looks[1:]), looks  # the broken marker again after 5 s
+    # the first too: posted by this process, nothing is done (no listing); the broken marker is read after 15 s
+    assert all(c == RequestCounts(get=1) for c in looks), looks
     low, high = S3_POLL
     print(f"S3 requests a look while waiting: idle worker {costs[28].billed} (queue of 28 held items), waiter "
           f"{looks[-1].billed}; at the longest pause ({high:g} s) that is {costs[28].billed / high:.2f} and "
           f"{looks[-1].billed / high:.2f} requests per second")
+
+
+def test_a_waiting_thread_counts_its_own_requests_not_its_neighbours(moto_endpoint, tmp_path):
+    """What waiting costs is counted per thread (s3fs sends every request from its own event loop; the
+    calling thread's context follows them there): a thread doing work beside a waiter adds nothing to it."""
+    store = make_store("s3", tmp_path, moto_endpoint)
+    store.write_bytes("k", b"x")
+    before, own = request_counts(), {}
+    started = threading.Event()
+
+    def neighbour() -> None:
+        started.set()
+        for _ in range(12):
+            store.read_bytes("k", small=True)
+
+    with counting_requests() as sent:
+        thread = threading.Thread(target=neighbour)
+        thread.start()
+        started.wait()
+        for _ in range(3):
+            store.read_bytes("k", small=True)
+        thread.join()
+        own["waiter"] = sent()
+    assert own["waiter"] == RequestCounts(get=3)
+    assert request_counts() - before == RequestCounts(get=15)

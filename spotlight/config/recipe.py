@@ -101,6 +101,9 @@ class GRPOSection(Section):
         "batch's (flow_grpo's SD3 configs: global); chosen by iterations to target, docs/exploration.md")
     kl_beta: float = Field(0.24, ge=0, description="weight of the KL to the base, as flow_grpo's train.beta: "
                            "per step |mean - mean_ref|^2 / (2 std_t^2), no dt (spotlight.grpo.step_kl)")
+    kl_form: Literal["flow_grpo", "exact"] = Field(
+        "flow_grpo", description="flow_grpo: its per-step term, no dt; exact: the KL between the two Gaussian "
+        "steps (flow_grpo's / |dt|), whose sum over steps is the trajectory's KL to the base")
     optimizer_steps: int = Field(9, ge=1, description="optimizer steps per epoch over an iteration's trained "
                                  "(sample, timestep) rows, each on an equal share of them (flow_grpo: 2)")
     microbatch_size: int | None = Field(None, ge=1, description="rows per forward pass (gradient accumulation "
