@@ -211,9 +211,9 @@ class WorkQueue:
         A change is a claim, a hand-back, recorded units, a completion or a failure (``mark_changed``);
         the body names it (``last_event``) and, for a claim or a completion, the done items its writer saw
         (a completion lists the done markers after creating its own). The done markers are listed only at
-        the first look, after a change the body cannot account for, and every ``FULL_LOOK_EVERY``
-        seconds while the queue is not drained (a completion whose signal a later change overwrote
-        before anyone read it). The first look says changed."""
+        the first look (unless nothing happened since the publish), after a change the body cannot account
+        for, and every ``FULL_LOOK_EVERY`` seconds while the queue is not drained (a completion whose
+        signal a later change overwrote before anyone read it). The first look says changed."""
         items = self.items()
         raw = self._signal_body(PROGRESS)
         now = time.monotonic()
@@ -223,7 +223,10 @@ class WorkQueue:
             self._seen, self.last_event = raw, body.get("event")
             self._done_known.update(body.get("done", ()))
         drained = bool(items) and self._done_known >= {it["id"] for it in items}
-        if self._looked_at is None or (changed and body.get("event") not in EVENTS) or (
+        first = self._looked_at is None
+        if first and body.get("event") == "published":  # nothing has happened since the publish
+            first, self._listed_at = False, now
+        if first or (changed and body.get("event") not in EVENTS) or (
                 not drained and now - self._listed_at >= FULL_LOOK_EVERY):
             self._done_known.update(self._done())
             self._listed_at = now

@@ -418,6 +418,12 @@ def test_waiting_costs_the_same_few_requests_a_look_whatever_the_queues_size(mot
         took = idle.claim("idle")
         assert took is not None and took.item_id == claims[-1].item_id  # the hand-back is seen at once
     assert costs[4] == costs[28] == RequestCounts(get=1), "a look does not grow with the queue"
+    # a watcher's first look at a queue another process just published: the body says nothing happened since
+    publisher, watcher = WorkQueue(store, "fresh", lease_seconds=60), WorkQueue(store, "fresh", lease_seconds=60)
+    publisher.publish(make_items(3, 2, 0.0))
+    assert watcher.items()  # the published items, read once (3 requests) and cached
+    before = request_counts()
+    assert watcher.look() == (True, False) and request_counts() - before == RequestCounts(get=1)
     # a stage waiter: one HEAD of the attempt's progress a look
     store = make_store("s3", tmp_path, moto_endpoint)
     request = stage_queue.post(store, "update", 0, lease_seconds=60)
