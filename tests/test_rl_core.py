@@ -114,6 +114,11 @@ def test_group_advantages():
     assert adv.abs().max() <= 1.2 + 1e-6, "advantages are clamped"
     glob = group_advantages(rewards, "global", clip=100)
     torch.testing.assert_close(glob[2, 3], (10 - 2.5) / (rewards.std() + 1e-4))
+    # grpo.negative_advantage_weight: the below-average samples' advantages scaled, the better ones as they were
+    for weight in (0.0, 0.3):
+        scaled = group_advantages(rewards, "per_prompt", clip=1.2, negative_weight=weight)
+        torch.testing.assert_close(scaled, torch.where(adv < 0, weight * adv, adv))
+        assert (scaled >= 0).all() if weight == 0 else (scaled < 0).any()
 
 
 def test_clipped_loss_is_pessimistic():

@@ -99,6 +99,10 @@ class GRPOSection(Section):
     adv_std: Literal["per_prompt", "global"] = Field(
         "per_prompt", description="advantages divided by each prompt group's reward std, or by the whole "
         "batch's (flow_grpo's SD3 configs: global); chosen by iterations to target, docs/exploration.md")
+    negative_advantage_weight: float = Field(
+        1.0, ge=0, le=1, description="scales the advantages of a group's below-average samples: 1 is Flow-GRPO; "
+        "0 reinforces only the better samples and pushes none away, which keeps within-prompt diversity "
+        "(docs/recipe.md)")
     kl_beta: float = Field(0.24, ge=0, description="weight of the KL to the base, as flow_grpo's train.beta: "
                            "per step |mean - mean_ref|^2 / (2 std_t^2), no dt (spotlight.grpo.step_kl)")
     kl_form: Literal["flow_grpo", "exact"] = Field(
