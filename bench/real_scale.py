@@ -197,7 +197,8 @@ def iteration(cfg: Config, policy: DiffusionPolicy, rewards: dict[str, nn.Module
     sync(device)
     seconds["reward"] = time.perf_counter() - started
     part_peak(device, peaks, "reward")
-    advantages = group_advantages(scores.view(prompts, group), gc.adv_std, gc.adv_clip).flatten()
+    advantages = group_advantages(scores.view(prompts, group), gc.adv_std, gc.adv_clip,
+                                  negative_weight=gc.negative_advantage_weight).flatten()
     cond = policy.encode_prompts(texts)
     uncond = policy.encode_prompts([sc.negative_prompt] * len(texts)) if policy.needs_uncond(sc.guidance) else None
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(device))
