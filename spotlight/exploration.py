@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import time
 from functools import partial
@@ -20,7 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from spotlight.config import Config
-from spotlight.pool import WAITING, pacer, post_notice
+from spotlight.pool import WAITING, pacer, post_notice, saw_settled, seen_committed
 from spotlight.queue_worker import run_worker
 from spotlight.run import Run
 from spotlight.sampler import Rollout, sample_sde
@@ -29,7 +30,9 @@ from spotlight.store import AlreadyExistsError, json_bytes
 from spotlight.work_queue import WorkQueue
 
 QUEUE_PREFIX = "queues"
-JOIN_CHECK_EVERY = 3.0  # seconds between two looks at the key that frees the trainers (``explore_queue``)
+#: seconds between two reads of the key that frees the trainers (``explore_queue``), a net: the update
+#: that commits it is normally waited on by this same process, which then knows at no cost
+JOIN_CHECK_EVERY = 15.0
 
 
 def policy_iteration(cfg: Config, t: int) -> int:
@@ -39,6 +42,12 @@ def policy_iteration(cfg: Config, t: int) -> int:
 
 def queue_for(run: Run, t: int) -> WorkQueue:
     return WorkQueue(run.store, f"{QUEUE_PREFIX}/explore-{t:04d}", lease_seconds=run.cfg.placement.lease_seconds)
+
+
+def queue_named(run: Run, prefix: str) -> tuple[int, WorkQueue] | None:
+    """The iteration and queue of an exploration queue's prefix (as a board notice names it), or None."""
+    m = re.fullmatch(rf"{QUEUE_PREFIX}/explore-(\d{{4}})", prefix)
+    return None if m is None else (int(m.group(1)), queue_for(run, int(m.group(1))))
 
 
 def join_key(queue: WorkQueue) -> str:
@@ -52,7 +61,7 @@ def let_trainers_join(queue: WorkQueue, reason: str) -> None:
         queue.store.create_bytes(join_key(queue), json_bytes({"reason": reason, "at": time.time()}))
     except AlreadyExistsError:
         return
-    post_notice(queue.store, f"trainers may join {queue.prefix}")
+    post_notice(queue.store, f"trainers may join {queue.prefix}", kind="join", prefix=queue.prefix)
 
 
 def trainers_may_join(queue: WorkQueue) -> bool:
@@ -162,7 +171,7 @@ def explore_queue(run: Run, t: int, queue: WorkQueue, items: list[dict[str, Any]
     ``placement.stall_seconds`` (every explorer gone) lets the trainers join, wherever they run.
     """
     queue.publish(items)
-    post_notice(run.store, f"published {queue.prefix}")
+    post_notice(run.store, f"published {queue.prefix}", kind="exploration", prefix=queue.prefix)
     started = time.perf_counter()
     inline_stats: dict[str, Any] | None = None
     joined = trainers_join is True
@@ -175,6 +184,7 @@ def explore_queue(run: Run, t: int, queue: WorkQueue, items: list[dict[str, Any]
         while True:
             changed, drained = queue.look()  # one GET
             if drained:
+                saw_settled(run.store, queue.prefix)
                 break
             if inline:
                 inline_stats = run_worker(queue, partial(explore_units, run, t, role="inline"), worker_id="inline")
@@ -182,9 +192,12 @@ def explore_queue(run: Run, t: int, queue: WorkQueue, items: list[dict[str, Any]
             if changed:
                 last_progress = time.monotonic()
                 pace.reset()
-            if not joined and isinstance(trainers_join, str) and time.monotonic() - join_checked >= JOIN_CHECK_EVERY:
-                join_checked = time.monotonic()  # one HEAD: a few seconds late costs a few seconds of a trainer
-                if run.store.is_committed(trainers_join):
+                if queue.last_event == "released":  # a preempted worker handed an item back: tell the others
+                    post_notice(run.store, f"an item of {queue.prefix} handed back", kind="freed", prefix=queue.prefix)
+            if not joined and isinstance(trainers_join, str) and (seen_committed(run.store, trainers_join) or (
+                    time.monotonic() - join_checked >= JOIN_CHECK_EVERY)):
+                join_checked = time.monotonic()  # one HEAD unless this process saw the commit made
+                if seen_committed(run.store, trainers_join) or run.store.is_committed(trainers_join):
                     let_trainers_join(queue, f"{trainers_join} is committed: the trainer is free")
                     joined = True
             if not joined and time.monotonic() - last_progress > run.cfg.placement.stall_seconds:

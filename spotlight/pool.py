@@ -7,8 +7,9 @@ Layout, under the run store::
 
     pool/done.json           the flow is over: workers exit
     pool/broken.json         a worker could not be kept alive: waiting stages fail with it
-    pool/board.json          rewritten whenever the flow posts work or the pool changes: idle workers
-                             HEAD it instead of listing the run's queues
+    pool/board.json          rewritten whenever the flow posts work or the pool changes: the flow's last
+                             notices, numbered (what was posted, for whom, what has settled); idle workers
+                             read it instead of listing the run's queues
     pool/slots/{slot}.json   a worker slot's instance and price (written by the pool, read by the ledger)
     workers/{worker}.json    a worker is ready: imports done, run opened (host, pid, time)
 
@@ -18,6 +19,7 @@ bills each one.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import threading
@@ -29,8 +31,10 @@ from typing import Any, Iterator
 from spotlight.store import RequestCounts, RunStore, StoreError, counting_requests, json_bytes
 
 POOL_DONE, POOL_BROKEN, POOL_SLOTS, BOARD = "pool/done.json", "pool/broken.json", "pool/slots", "pool/board.json"
-#: S3: look again after a tenth of the time waited so far, from a second up to a few seconds
-S3_POLL, LOCAL_POLL = (1.0, 4.0), (0.02, 0.02)
+#: S3: look again after a tenth of the time waited so far, from 2 s up to 4 s (a look is a request; a stage
+#: on a real model lasts minutes, so 2 s late is little)
+S3_POLL, LOCAL_POLL = (2.0, 4.0), (0.02, 0.02)
+BOARD_KEEP = 64  # notices the board carries: a reader further behind lists the run's work instead
 
 
 def poll_range(store: RunStore) -> tuple[float, float]:
@@ -97,15 +101,80 @@ def pacer(store: RunStore, poll_seconds: float | None = None) -> Pacer:
     return Pacer(*poll_range(store)) if poll_seconds is None else Pacer(poll_seconds, poll_seconds)
 
 
-def post_notice(store: RunStore, what: str) -> None:
-    """Rewrite the board (a new version each time): the flow posted work or the pool changed. Written after
-    the change it announces, so a worker that sees the new version and then lists finds it."""
-    store.write_bytes(BOARD, json_bytes({"what": what, "at": time.time(), "nonce": secrets.token_hex(8)}))
+#: per run store URL: this process's board (its writer id and its last notices)
+_BOARDS: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+_BOARD_LOCK = threading.Lock()
 
 
-def board_version(store: RunStore) -> str | None:
-    """The board's version (one HEAD): unchanged means nothing was posted since it was last read."""
-    return store.version(BOARD)
+def post_notice(store: RunStore, what: str, kind: str = "pool", **fields: Any) -> None:
+    """Add a notice to the board and rewrite it: the flow posted work (``kind`` stage, exploration, join),
+    an item was handed back (freed), or the pool changed (pool: its readers list the run's work). The
+    notice also names what this process saw settle since its last (:func:`saw_settled`).
+
+    The board carries this process's last BOARD_KEEP notices, numbered, so a reader of an older version
+    applies the ones it missed without listing; a board another process wrote (a restarted flow) or a
+    gap makes its readers list. Written after the change it announces, so a reader finds the change."""
+    with _BOARD_LOCK:  # one version at a time, in order: S3 keeps the last write
+        writer, notices = _BOARDS.setdefault(store.url, (secrets.token_hex(8), []))
+        settled = _SETTLED.pop(store.url, [])
+        notices.append({"seq": notices[-1]["seq"] + 1 if notices else 1, "kind": kind, "what": what,
+                        "at": time.time(), **fields, **({"settled": settled} if settled else {})})
+        del notices[:-BOARD_KEEP]
+        store.write_bytes(BOARD, json_bytes({"writer": writer, "notices": notices}))
+
+
+#: per run store URL: what this process's waiters saw settle since its last notice (stage attempts done or
+#: failed, explorations drained: the next notice names them), and the commits they saw made
+_SETTLED: dict[str, list[str]] = {}
+_COMMITTED: dict[str, set[str]] = {}
+
+
+def saw_settled(store: RunStore, name: str, commit: str | None = None) -> None:
+    """A waiter of this process saw ``name`` (a stage attempt, an exploration queue's prefix) settle, having
+    made ``commit``: the next notice tells the workers (they drop it unread), and this process knows the
+    commit exists (:func:`seen_committed`)."""
+    with _BOARD_LOCK:
+        _SETTLED.setdefault(store.url, []).append(name)
+        if commit is not None:
+            _COMMITTED.setdefault(store.url, set()).add(commit)
+
+
+def seen_committed(store: RunStore, name: str) -> bool:
+    """Whether a waiter of this process saw a stage commit ``name`` (free; False says nothing)."""
+    return name in _COMMITTED.get(store.url, ())
+
+
+@dataclass
+class BoardReader:
+    """A worker's view of the board: each read is one GET, and returns the notices posted since the last."""
+
+    store: RunStore
+    raw: bytes | None = None
+    writer: str | None = None
+    seq: int = 0
+
+    def read(self) -> list[dict[str, Any]] | None:
+        """The notices posted since the last read ([] if none), or None: list the run's work instead (the
+        first read, a board this reader cannot follow: another writer, a gap, no board, or a pool notice)."""
+        try:
+            raw = self.store.read_bytes(BOARD, small=True)
+        except StoreError:
+            raw = None
+        if raw is not None and raw == self.raw:
+            return []
+        self.raw = raw
+        try:
+            body = json.loads(raw) if raw else {}
+            writer, notices = body["writer"], [n for n in body["notices"] if isinstance(n.get("seq"), int)]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self.writer = None
+            return None
+        followed, last = writer == self.writer, self.seq
+        new = [n for n in notices if n["seq"] > last]
+        self.writer, self.seq = writer, notices[-1]["seq"] if notices else 0
+        if not followed or (new and new[0]["seq"] != last + 1) or any(n.get("kind") == "pool" for n in new):
+            return None
+        return new
 
 
 def pool_done(store: RunStore) -> bool:

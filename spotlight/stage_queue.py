@@ -30,7 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from spotlight.pool import WAITING, pacer, pool_broken, post_notice
+from spotlight.pool import WAITING, pacer, pool_broken, post_notice, saw_settled
 from spotlight.store import AlreadyExistsError, RunStore, StoreError, json_bytes
 from spotlight.work_queue import WorkQueue
 
@@ -39,6 +39,10 @@ TRAINER_STAGES = ("pretrain", "evaluate", "ranking", "update")  # the order a tr
 _REQUEST = re.compile(r"([a-z]+)-(\d{4})-a(\d{2})")
 BROKEN_EVERY = 15.0  # seconds between two reads of the pool's broken marker (and the failure) while waiting
 QUIET_EVENTS = frozenset({"published", "claimed", "units", "done"})  # changes that cannot be a failure
+#: per run store URL: the worker that completed the last stage this process waited on. The next stage is
+#: posted for it (it is idle, and it has the run's weights in memory); the other trainers leave that post
+#: alone for DESIGNATED_SECONDS (``spotlight.worker``), so they do not pay to read and race for every post.
+_LAST_DONE_BY: dict[str, str] = {}
 
 
 class StageFailed(RuntimeError):
@@ -85,11 +89,9 @@ class StageRequest:
         return self._queue
 
     def done(self) -> dict[str, Any] | None:
-        """The done marker (worker, epoch, results), once a worker completed the stage."""
-        try:
-            return self.store.get_json(f"{self.prefix}/done/{self.item_id}")
-        except StoreError:
-            return None
+        """The done marker (worker, epoch, results), once a worker completed the stage: from the completion
+        signal the waiter's look read, else one GET."""
+        return self.queue().done_marker(self.item_id)
 
     def failure(self) -> dict[str, Any] | None:
         try:
@@ -127,8 +129,15 @@ def post(store: RunStore, stage: str, t: int, lease_seconds: float) -> StageRequ
             return newest
     request = StageRequest(store, stage, t, (tried[-1] + 1) if tried else 1, lease_seconds)
     request.queue().publish([request.item])
-    post_notice(store, f"posted {request.name}")
+    post_notice(store, f"posted {request.name}", kind="stage", name=request.name,
+                designated=_LAST_DONE_BY.get(store.url))
     return request
+
+
+def request_named(store: RunStore, name: str) -> StageRequest | None:
+    """The posted attempt a board notice or a listing names (None: not a stage attempt's name)."""
+    m = _REQUEST.fullmatch(name)
+    return None if m is None else StageRequest(store, m.group(1), int(m.group(2)), int(m.group(3)))
 
 
 def wait(request: StageRequest, poll_seconds: float | None = None,
@@ -152,15 +161,20 @@ def wait(request: StageRequest, poll_seconds: float | None = None,
             if changed:
                 pace.reset()
             if drained and (done := request.done()) is not None:
+                _LAST_DONE_BY[request.store.url] = done["worker"]
+                saw_settled(request.store, request.name, (done["results"].get(request.item_id) or {}).get("commit"))
                 return done
             full = time.monotonic() - checked_at >= BROKEN_EVERY
             if (changed and queue.last_event not in QUIET_EVENTS) or full:
                 failed = request.failure()
                 if failed is not None:
+                    saw_settled(request.store, request.name)  # the next post tells the trainers
                     raise StageFailed(f"{request.stage} of iteration {request.iteration} (attempt {request.attempt}) "
                                       f"failed on worker {failed['worker']}: {failed['error']}\n"
                                       f"--- the worker's traceback (tail) ---\n{failed['traceback_tail'].rstrip()}",
                                       failed)
+                if changed and queue.last_event == "released":  # a preempted trainer handed it back: tell the others
+                    post_notice(request.store, f"{request.name} handed back", kind="freed", name=request.name)
             if full:
                 checked_at = time.monotonic()
             broken = pool_broken(request.store, read=full)  # this process's own pool: every look, at no cost
@@ -184,10 +198,9 @@ def open_requests(store: RunStore, final: set[str] | None = None,
     known = {} if known is None else known
     out = []
     for name in store.list(STAGE_PREFIX):
-        m = _REQUEST.fullmatch(name)
-        if not m or name in final:
+        if name in final or (fresh := request_named(store, name)) is None:
             continue
-        request = known.setdefault(name, StageRequest(store, m.group(1), int(m.group(2)), int(m.group(3))))
+        request = known.setdefault(name, fresh)
         if not request.queue().published():
             continue
         if settled(request):

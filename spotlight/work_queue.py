@@ -95,7 +95,7 @@ class WorkQueue:
     clock: Callable[[], float] = time.time
     _items: list[dict[str, Any]] | None = field(default=None, repr=False)
     _unit_cache: dict[str, Any] = field(default_factory=dict, repr=False)
-    _done_cache: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    _markers: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)  # done markers read (immutable)
     _idle_look: tuple[str | None, float] = field(default=(None, 0.0), repr=False)  # freed.json, until when
     _seen: bytes | None = field(default=None, repr=False)  # progress.json's body at the last look
     _looked_at: float | None = field(default=None, repr=False)  # monotonic, the last look (None: never)
@@ -188,6 +188,11 @@ class WorkQueue:
         self._idle_look = (freed, held_until)
         return None
 
+    def held_until(self) -> float:
+        """After a claim that found nothing to take: when a lease it saw may expire (wall clock; inf when
+        no lease can: every item is done). Before then only a hand-back (``freed.json``) frees an item."""
+        return self._idle_look[1]
+
     def _all_leases(self) -> dict[str, float]:
         """Per item with a live-looking lease, when it looks free (one LIST of every lease object): the newest
         epoch's last write plus a lease, or nothing if that epoch was released."""
@@ -222,6 +227,8 @@ class WorkQueue:
         if changed:
             self._seen, self.last_event = raw, body.get("event")
             self._done_known.update(body.get("done", ()))
+            if body.get("event") == "done" and isinstance(body.get("marker"), dict):
+                self._markers.setdefault(body["item"], body["marker"])  # markers are create-only: final
         drained = bool(items) and self._done_known >= {it["id"] for it in items}
         first = self._looked_at is None
         if first and body.get("event") == "published":  # nothing has happened since the publish
@@ -247,12 +254,15 @@ class WorkQueue:
         except StoreError:
             return None
 
-    def _signal(self, *names: str, event: str, done: set[str] | None = None) -> bytes:
+    def _signal(self, *names: str, event: str, done: set[str] | None = None,
+                marker: tuple[str, dict[str, Any]] | None = None) -> bytes:
         """Rewrite signal objects after a change (each body unique, so each write is a new version), naming
-        the change and the done items the writer knows. A hint: a failed write only delays a reader until
+        the change, the done items the writer knows and, for a completion, its done marker (so that a waiter
+        on a one-item queue, a stage, reads no marker). A hint: a failed write only delays a reader until
         it looks in full (``FULL_LOOK_EVERY``, a lease's expiry), and is logged."""
         body = json_bytes({"at": self.clock(), "nonce": secrets.token_hex(8), "event": event,
-                           **({} if done is None else {"done": sorted(done)})})
+                           **({} if done is None else {"done": sorted(done)}),
+                           **({} if marker is None else {"item": marker[0], "marker": marker[1]})})
         for name in names:
             try:
                 self.store.write_bytes(self._signal_key(name), body)
@@ -370,20 +380,29 @@ class WorkQueue:
                              f"(e.g. {pending[:3]})")
         results = {u: claim.recorded[u] if u in claim.recorded else self._unit(claim.item_id, u)
                    for u in claim.item["units"]}
+        data = json_bytes({"worker": claim.worker, "epoch": claim.epoch, "at": self.clock(), "results": results})
         try:
-            self.store.create_bytes(f"{self.prefix}/done/{claim.item_id}", json_bytes(
-                {"worker": claim.worker, "epoch": claim.epoch, "at": self.clock(), "results": results}))
+            self.store.create_bytes(f"{self.prefix}/done/{claim.item_id}", data)
         except AlreadyExistsError:
             return False
-        self._signal(PROGRESS, event="done", done=self._done())  # this worker's LIST: waiters need none
+        # this worker's LIST and marker: its waiters need neither
+        self._signal(PROGRESS, event="done", done=self._done(), marker=(claim.item_id, json.loads(data)))
         return True
+
+    def done_marker(self, item_id: str) -> dict[str, Any] | None:
+        """The item's done marker (worker, epoch, results): from a completion signal a look read, else one
+        GET; None if not done."""
+        if item_id not in self._markers:
+            try:
+                self._markers[item_id] = self.store.get_json(f"{self.prefix}/done/{item_id}")
+            except StoreError:
+                return None
+        return self._markers[item_id]
 
     def done_by(self, item_id: str) -> str | None:
         """The worker whose complete() won for the item, or None if not done."""
-        try:
-            return self.store.get_json(f"{self.prefix}/done/{item_id}")["worker"]
-        except StoreError:
-            return None
+        marker = self.done_marker(item_id)
+        return None if marker is None else marker["worker"]
 
     def pending_units(self, item_id: str) -> list[str]:
         """The item's units nobody has recorded yet, in item order."""
@@ -396,9 +415,7 @@ class WorkQueue:
         done = self._done()
         for item in self.items():
             if item["id"] in done:
-                if item["id"] not in self._done_cache:  # immutable once written, so cached for good
-                    self._done_cache[item["id"]] = self.store.get_json(f"{self.prefix}/done/{item['id']}")["results"]
-                out.update(self._done_cache[item["id"]])
+                out.update(self.done_marker(item["id"])["results"])  # type: ignore[index]
             else:
                 out.update({u: self._unit(item["id"], u) for u in self._recorded(item["id"])})
         return out

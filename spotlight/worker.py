@@ -29,18 +29,23 @@ from typing import Any, Callable, Iterator
 
 from spotlight import stages
 from spotlight.cost import Ledger, Outcome, process_start_time
-from spotlight.exploration import explore_units, open_queues, trainers_may_join
-from spotlight.pool import Pacer, board_version, poll_range, pool_done, ready_record_key
+from spotlight.exploration import explore_units, open_queues, queue_named, trainers_may_join
+from spotlight.pool import BoardReader, Pacer, poll_range, pool_done, ready_record_key
 from spotlight.queue_worker import Handler, WorkerStats, run_worker, work_item
 from spotlight.config import ConfigError
 from spotlight.mounts import bucket_url, input_paths
 from spotlight.run import Run, check_inputs, distributed, open_run_from_url
-from spotlight.stage_queue import StageRequest, open_requests
+from spotlight.stage_queue import TRAINER_STAGES, StageRequest, open_requests, request_named
 from spotlight.store import Commit, counting_requests
 from spotlight.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
 LIST_AT_LEAST_EVERY = 60.0  # seconds: an idle worker lists the posted work this often even if the board is quiet
+#: in looks (shortest pauses, :func:`spotlight.pool.poll_range`): how long a trainer leaves a stage posted for
+#: another trainer (the one that finished the flow's last stage) before it tries it; and the least time
+#: between two tries of an item that another worker holds (a hand-back is on the board at once; this is
+#: for a holder that died without one: its lease expires)
+DESIGNATED_LOOKS, HELD_LOOKS = 3, 15
 
 #: what a trainer runs for each stage it takes from the stage queue
 STAGE_FUNCTIONS: dict[str, Callable[[Run, int], Commit | None]] = {
@@ -150,14 +155,18 @@ class _Worker:
         self.total = WorkerStats(worker_id)
         self.finals: set[str] = set()   # stage attempts seen done or failed (they never reopen)
         self.drained: set[str] = set()  # exploration queues seen drained (they never reopen)
-        # What was posted, as of the last listing (redone when the pool's board changes): an idle look
-        # is then one HEAD of the board and one per open queue, whatever the queues' sizes.
+        # What was posted, as the board's notices (or, when they cannot be followed, a listing) tell it: an
+        # idle look is one GET of the board, whatever the queues' sizes and however many are open.
         self.known_requests: dict[str, StageRequest] = {}
         self.known_queues: dict[str, WorkQueue] = {}
         self.requests: list[StageRequest] = []
         self.explorations: list[tuple[int, WorkQueue]] = []
-        self.board: str | None = None
+        self.board = BoardReader(run.store)
         self.listed_at, self.over = -math.inf, False
+        # monotonic time before which a stage or queue is not tried (posted for another trainer; every item
+        # held by others or done): a try costs a few requests, and nothing changes before then unless a
+        # notice says so (an item handed back)
+        self.not_before: dict[str, float] = {}
 
     def release_stale(self) -> None:
         """A previous life of this worker (same name: a SkyPilot recovery, a relaunched process) held leases
@@ -168,17 +177,65 @@ class _Worker:
             queue.release_stale(self.worker_id)
 
     def _list_work(self) -> None:
-        """What the flow has posted: listed again only when the pool's board changed (the flow posted a
-        stage or an exploration, let the trainers join one, or ended), or a minute after the last listing
-        (a safety net); otherwise the last listing stands."""
-        board = board_version(self.run.store)
-        if board is not None and board == self.board and time.monotonic() - self.listed_at < LIST_AT_LEAST_EVERY:
+        """What the flow has posted: the board's new notices (one GET), applied; the run's stages and queues
+        are listed only when the notices cannot be followed (the first look, a restarted flow, a pool
+        change, a reader too far behind) and once a minute (a safety net)."""
+        news = self.board.read()
+        if news is None or time.monotonic() - self.listed_at >= LIST_AT_LEAST_EVERY:
+            self.listed_at = time.monotonic()
+            self.over = pool_done(self.run.store)
+            self.requests = open_requests(self.run.store, self.finals, self.known_requests) if self.kind == "trainer" else []
+            self.explorations = [(t, q) for t, q in open_queues(self.run, self.drained, self.known_queues)
+                                 if self.kind == "explorer" or trainers_may_join(q)]
             return
-        self.board, self.listed_at = board, time.monotonic()
-        self.over = pool_done(self.run.store)
-        self.requests = open_requests(self.run.store, self.finals, self.known_requests) if self.kind == "trainer" else []
-        self.explorations = [(t, q) for t, q in open_queues(self.run, self.drained, self.known_queues)
-                             if self.kind == "explorer" or trainers_may_join(q)]
+        for notice in news:
+            self._apply(notice)
+
+    def _apply(self, notice: dict[str, Any]) -> None:
+        """One board notice: what settled is dropped unread; a posted stage (a trainer's), a published
+        exploration (an explorer's) or one the trainers may join (a trainer's) is added; an item handed
+        back is tried again at once."""
+        for name in notice.get("settled", ()):
+            self._settle(name)
+        kind, name = notice.get("kind"), notice.get("name") or notice.get("prefix")
+        if kind == "freed":
+            self.not_before.pop(name, None)
+        elif kind == "stage" and self.kind == "trainer" and name not in self.finals and name not in self.known_requests:
+            if (request := request_named(self.run.store, name)) is not None:
+                self.known_requests[name] = request
+                self.requests.append(request)
+                order = {s: i for i, s in enumerate(TRAINER_STAGES)}
+                self.requests.sort(key=lambda r: (r.iteration, order.get(r.stage, 99), r.attempt))
+                if notice.get("designated") not in (None, self.worker_id):
+                    self.not_before[name] = time.monotonic() + DESIGNATED_LOOKS * self.poll_seconds
+        elif (kind == "exploration" and self.kind == "explorer") or (kind == "join" and self.kind == "trainer"):
+            found = queue_named(self.run, name)
+            queue_name = name.rpartition("/")[2]
+            if found is not None and queue_name not in self.drained and queue_name not in self.known_queues:
+                self.known_queues[queue_name] = found[1]
+                self.explorations = sorted([*self.explorations, found], key=lambda tq: tq[0])
+
+    def _settle(self, name: str) -> None:
+        """A stage attempt (its name) done or failed, or an exploration queue (its prefix) drained: neither
+        reopens, so it is never tried again."""
+        if "/" in name:
+            queue_name = name.rpartition("/")[2]
+            self.drained.add(queue_name)
+            self.known_queues.pop(queue_name, None)
+            self.explorations = [(t, q) for t, q in self.explorations if q.prefix != name]
+        else:
+            self.finals.add(name)
+            self.known_requests.pop(name, None)
+            self.requests = [r for r in self.requests if r.name != name]
+        self.not_before.pop(name, None)
+
+    def _hold_off(self, name: str, queue: WorkQueue) -> None:
+        """A try found nothing to take in ``queue``: leave it until a lease it saw may expire (and at least
+        HELD_LOOKS looks), or until a notice says an item was handed back."""
+        self.not_before[name] = time.monotonic() + max(queue.held_until() - queue.clock(), HELD_LOOKS * self.poll_seconds)
+
+    def _may_try(self, name: str) -> bool:
+        return time.monotonic() >= self.not_before.get(name, -math.inf)
 
     def work(self, idle_exit_seconds: float) -> dict[str, Any]:
         """Take work until the run's flow is over, SIGTERM, or nothing to take for ``idle_exit_seconds``.
@@ -198,7 +255,6 @@ class _Worker:
                     if worked:
                         idle_since = time.monotonic()
                         pace.reset()
-                        self.listed_at = -math.inf  # after work, look for what was posted meanwhile
                         continue
                     if time.monotonic() - idle_since >= idle_exit_seconds:
                         break
@@ -226,11 +282,15 @@ class _Worker:
            flow's waiting task raises it) and the worker goes on; Preempted goes up: the worker exits.
         """
         for request in self.requests:
+            if not self._may_try(request.name):
+                continue
             request.lease_seconds = self.lease_seconds
             queue = request.queue()
             claim = queue.claim(self.worker_id)
             if claim is not None:
+                self.not_before.pop(request.name, None)
                 break
+            self._hold_off(request.name, queue)
         else:
             return False
         stats, t0 = WorkerStats(self.worker_id, items_claimed=1), time.monotonic()
@@ -243,6 +303,8 @@ class _Worker:
         finally:
             stats.busy_seconds = time.monotonic() - t0
             self.total.add(stats.as_dict())
+        if not stats.leases_lost:  # done or failed: final (a lost lease is its new holder's to finish)
+            self._settle(request.name)
         return True
 
     def _stage_handler(self, request: StageRequest) -> Handler:
@@ -292,7 +354,11 @@ class _Worker:
         """
         worked = False
         for t, queue in self.explorations:
-            if self._pull(t, queue)["items_claimed"]:
+            if not self._may_try(queue.prefix):
+                continue
+            claimed = self._pull(t, queue)["items_claimed"]
+            self._hold_off(queue.prefix, queue)  # the pull ended with nothing left to claim
+            if claimed:
                 worked = True
                 if self.kind == "trainer":
                     break  # back to the stages first

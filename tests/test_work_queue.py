@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pytest
 
 from queue_handler import handler, make_items, unit_result
-from spotlight import stage_queue
+from spotlight import pool, stage_queue
 from spotlight.pool import S3_POLL
 from spotlight.store import RequestCounts, RunStore, counting_requests, request_counts
 from spotlight.work_queue import Claim, LeaseLostError, QueueError, WorkQueue
@@ -448,6 +448,53 @@ def test_waiting_costs_the_same_few_requests_a_look_whatever_the_queues_size(mot
     print(f"S3 requests a look while waiting: idle worker {costs[28].billed} (queue of 28 held items), waiter "
           f"{looks[-1].billed}; at the longest pause ({high:g} s) that is {costs[28].billed / high:.2f} and "
           f"{looks[-1].billed / high:.2f} requests per second")
+
+
+def test_the_board_tells_idle_trainers_what_was_posted_for_whom_and_what_settled(moto_endpoint, tmp_path):
+    """On S3 (moto): an idle worker's look is one GET of the pool's board, whose numbered notices name what
+    the flow posted (a stage, for the trainer that finished the flow's last one), and what settled since;
+    the flow's waiter learns the completion, done marker included, from one GET of the attempt's signal.
+    A reader that cannot follow the notices (its first read, a reader further behind than the board
+    keeps, a board another process wrote, a pool change) is told to list instead."""
+    store = make_store("s3", tmp_path, moto_endpoint)
+
+    def counted(fn):
+        before = request_counts()
+        out = fn()
+        return out, request_counts() - before
+
+    reader = pool.BoardReader(store)
+    assert reader.read() is None, "no board yet: list"
+    stage_queue.post(store, "pretrain", 0, lease_seconds=60)
+    assert reader.read() is None, "the first sight of this board's writer: list"
+    update = stage_queue.post(store, "update", 0, lease_seconds=60)
+    news, cost = counted(reader.read)
+    assert cost == RequestCounts(get=1) and [(n["kind"], n["name"], n["designated"]) for n in news] == \
+        [("stage", update.name, None)]
+    assert counted(reader.read) == ([], RequestCounts(get=1)), "nothing new: one GET, nothing to do"
+    trainer = WorkQueue(store, update.prefix, lease_seconds=60)  # the trainer's own view of the attempt
+    claim = trainer.claim("trainer-a")
+    trainer.record(claim, {update.item_id: {"commit": "iterations/0000/update", "worker": "trainer-a"}})
+    assert trainer.complete(claim)
+    done, cost = counted(lambda: stage_queue.wait(update, poll_seconds=0.01))
+    assert done["worker"] == "trainer-a" and cost == RequestCounts(get=1), (done, cost)  # no marker GET
+    assert pool.seen_committed(store, "iterations/0000/update")
+    evaluate = stage_queue.post(store, "evaluate", 0, lease_seconds=60)
+    news, cost = counted(reader.read)
+    assert cost == RequestCounts(get=1) and news == [dict(news[0], kind="stage", name=evaluate.name,
+                                                          designated="trainer-a", settled=[update.name])]
+    # further behind than the board keeps: list
+    for i in range(pool.BOARD_KEEP + 1):
+        pool.post_notice(store, f"posted test-{i}", kind="stage", name=f"test-{i:04d}")
+    assert reader.read() is None
+    assert reader.read() == []
+    pool.post_notice(store, "posted test-last", kind="stage", name="test-last")
+    assert [n["name"] for n in reader.read()] == ["test-last"], "caught up: follows again"
+    pool._BOARDS.pop(store.url)  # as if a restarted flow (another process) wrote the board
+    pool.post_notice(store, "posted again", kind="stage", name="again")
+    assert reader.read() is None
+    pool.mark_pool_done(store, "the test is over")
+    assert reader.read() is None, "a pool change: list (the pool is done)"
 
 
 def test_a_waiting_thread_counts_its_own_requests_not_its_neighbours(moto_endpoint, tmp_path):

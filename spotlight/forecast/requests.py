@@ -9,10 +9,10 @@ Two parts:
   of n leased items: n + 1 LIST + n GET).
 * **Waiting**: every process polls the store while it waits. ``CURRENT`` is the code as it is
   (``docs/cloud.md``, "Waiting is cheap"): a look is one request to a signal object (a GET of a queue's
-  ``progress.json``, a HEAD of ``freed.json`` or of the pool's ``board.json``), and a long wait looks
-  every 4 s (``spotlight.pool.Pacer``; a real run's waits last minutes); a stage waiter also reads the
-  failure and the pool's broken marker every 15 s, an exploration waiter the key that frees the trainers
-  every 3 s, and a trainer watches the stage queue beside the exploration queues.
+  ``progress.json``, a GET of the pool's ``board.json``), and a long wait looks every 4 s
+  (``spotlight.pool.Pacer``; a real run's waits last minutes); a stage waiter also reads the failure and
+  the pool's broken marker every 15 s, an exploration waiter the key that frees the trainers every 15 s,
+  and an idle trainer tries a stage that another trainer holds every 15 looks.
   ``BEFORE`` is the code before issue 18 (66d9940): ``queue.status()`` (2n + 1 LIST + n GET for n
   items) twice a second while an exploration is open, and an idle worker listing the queues.
   A worker waits whenever it holds an instance and computes nothing (boots included: an upper bound);
@@ -57,9 +57,10 @@ LOOKS_PER_SECOND = 0.25  # spotlight.pool.Pacer on S3: a long wait looks every 4
 CURRENT = Polling("one request a look, a look every 4 s in a long wait (docs/cloud.md)",
                   controller_on_stage=(0.0, LOOKS_PER_SECOND + 2 / 15),  # the signal; failure and broken every 15 s
                   controller_per_open_item=(0.0, 0.0),  # a look is O(1) whatever the queue's size
-                  controller_on_exploration=(0.0, LOOKS_PER_SECOND + 1 / 3),  # + the trainers' key every 3 s
+                  controller_on_exploration=(0.0, LOOKS_PER_SECOND + 1 / 15),  # + the trainers' key every 15 s
                   worker_idle=(0.0, LOOKS_PER_SECOND),  # board.json
-                  trainer_idle=(0.0, 2 * LOOKS_PER_SECOND))  # board.json and the stage queue's signal
+                  # + a stage another trainer holds: a try (3 requests) every 15 looks
+                  trainer_idle=(0.0, LOOKS_PER_SECOND * (1 + 3 / 15)))
 POLLING = {"current": CURRENT, "before": BEFORE}
 
 
