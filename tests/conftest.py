@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.prefect_server import prefect_server
 
 REPO = Path(__file__).resolve().parents[1]
 SPOTLIGHT = str(Path(sys.executable).with_name("spotlight"))
@@ -31,12 +34,32 @@ def small_overrides(cache_url, tmp_path) -> list[str]:
     return [*SMALL, f"run.cache_url={cache_url}", f"run.url=file://{tmp_path}/run"]
 
 
-def cli_env(tmp: Path) -> dict[str, str]:
-    """A subprocess environment: one thread (deterministic, no oversubscription), a private Prefect home."""
+#: where ``prefect_api`` leaves its server's API URL (the environment: pytest may import this file twice)
+SESSION_API = "SPOTLIGHT_TESTS_PREFECT_API_URL"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_api(tmp_path_factory) -> Iterator[str]:
+    """One real Prefect server per test process for the ``spotlight`` runs the tests start. Prefect's
+    ephemeral API takes a random port in 8000-8999 and the first health answer from it, so two runs that
+    start at once (two xdist workers) can both talk to the one server that bound the port first, which
+    stops when its owner's run ends: the other run fails mid-way with ConnectError (as a CI run did).
+    ``cli_env(..., ephemeral=True)`` keeps the ephemeral API where a test is about it (``make run`` uses it)."""
+    with prefect_server(tmp_path_factory.mktemp("prefect-api") / "home", api_only=True) as server:
+        os.environ[SESSION_API] = server.api_url
+        yield server.api_url
+        del os.environ[SESSION_API]
+
+
+def cli_env(tmp: Path, ephemeral: bool = False) -> dict[str, str]:
+    """A subprocess environment: one thread (deterministic, no oversubscription), a private Prefect home, and
+    the session's Prefect server (``ephemeral``: Prefect's own temporary server, started by the run itself)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PREFECT_HOME=str(tmp / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
     env.pop("PREFECT_API_URL", None)
+    if not ephemeral:
+        env["PREFECT_API_URL"] = os.environ[SESSION_API]
     return env
 
 
@@ -44,8 +67,8 @@ def spotlight_cmd(*args: str, overrides: list[str]) -> list[str]:
     return [SPOTLIGHT, *args, "--config", str(REPO / "configs/tiny.yaml"), *[a for o in overrides for a in ("--set", o)]]
 
 
-def run_cli(args: list[str], tmp: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=tmp, env=cli_env(tmp), capture_output=True, text=True, timeout=timeout)
+def run_cli(args: list[str], tmp: Path, timeout: float = 600, ephemeral: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=tmp, env=cli_env(tmp, ephemeral), capture_output=True, text=True, timeout=timeout)
 
 
 #: the longest files (CPU seconds on 2 cores), started first so that `make test`'s two xdist workers

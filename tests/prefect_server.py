@@ -63,8 +63,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -
 
 
 @contextmanager
-def prefect_server(home: Path, timeout: float = 120) -> Iterator[PrefectServer]:
-    """Start ``prefect server start`` on a free port with PREFECT_HOME and its SQLite DB under ``home``."""
+def prefect_server(home: Path, timeout: float = 120, api_only: bool = False) -> Iterator[PrefectServer]:
+    """Start ``prefect server start`` on a free port with PREFECT_HOME and its SQLite DB under ``home``
+    (``api_only``: no UI and no background services, what flows run directly against need)."""
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -79,7 +80,8 @@ def prefect_server(home: Path, timeout: float = 120) -> Iterator[PrefectServer]:
     )
     log = home / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        lean = ["--no-ui", "--no-services"] if api_only else []
+        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port), *lean],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_healthy(url, proc, log, timeout)

@@ -98,7 +98,7 @@ def test_unknown_key_in_file(tmp_path):
     *([("run.device=cuda", "run.device is 'cuda' but torch")] if not torch.cuda.is_available() else []),
 ])
 def test_cli_fails_before_any_compute(tmp_path: Path, override, needle):
-    result = run_cli(spotlight_cmd("run", overrides=[override, f"run.url=file://{tmp_path}/run"]), tmp_path, 120)
+    result = run_cli(spotlight_cmd("run", overrides=[override, f"run.url=file://{tmp_path}/run"]), tmp_path, 120, ephemeral=True)
     assert result.returncode == 2, result.stdout + result.stderr
     assert needle in result.stdout + result.stderr
     assert not (tmp_path / "run").exists(), "nothing may be written before the config is valid"
@@ -131,7 +131,7 @@ def tiny_sd3(tmp_path_factory) -> Path:
 
 def test_real_model_config_without_weights_fails_at_once(tmp_path: Path):
     cmd = [SPOTLIGHT, "run", "--config", str(REPO / "configs/sd35m-pickscore.yaml"), "--set", f"run.url=file://{tmp_path}/run"]
-    result = run_cli(cmd, tmp_path, 120)
+    result = run_cli(cmd, tmp_path, 120, ephemeral=True)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "model.pretrained: /models/stable-diffusion-3.5-medium does not exist" in " ".join(result.stderr.split())
     assert not (tmp_path / "run").exists() and not (tmp_path / "prefect-home").exists()

@@ -127,7 +127,7 @@ def test_emulated_cluster_with_real_trace_preemptions_equals_a_clean_local_run(t
 
     t0 = time.monotonic()
     clean = tmp_path / "clean"
-    local_env = {**cli_env(tmp_path), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}  # a busy machine
+    local_env = cli_env(tmp_path)
     prompts = _prompt_folder(tmp_path / "prompts" / "digits")
     result = subprocess.run(spotlight_cmd("run", overrides=[*RECIPE, f"run.cache_url={cache_url}", f"run.url=file://{clean}",
                                                             "placement.explorer.workers=0", f"data.eval_prompts={prompts}"]),

@@ -38,7 +38,7 @@ class SmallRun:
 def small_run(tmp_path_factory, cache_url) -> SmallRun:
     tmp = tmp_path_factory.mktemp("small-run")
     overrides = [*SMALL, f"run.cache_url={cache_url}", f"run.url=file://{tmp}/run"]
-    result = run_cli(spotlight_cmd("run", overrides=overrides), tmp)
+    result = run_cli(spotlight_cmd("run", overrides=overrides), tmp, ephemeral=True)  # as `make run`
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return SmallRun(tmp, tmp / "run", overrides, result)
 

@@ -67,7 +67,7 @@ def _env(tmp: Path, endpoint: str, credentials: tuple[str, str] | None) -> dict[
     """The CLI's environment with no AWS setting of this machine: only the endpoint and these credentials."""
     empty = tmp / "empty-home"
     empty.mkdir(exist_ok=True)
-    env = {k: v for k, v in cli_env(tmp).items() if not k.startswith("AWS_")}
+    env = {k: v for k, v in cli_env(tmp, ephemeral=True).items() if not k.startswith("AWS_")}
     env.update(AWS_ENDPOINT_URL=endpoint, AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
                HOME=str(empty), AWS_CONFIG_FILE=str(empty / "config"), AWS_SHARED_CREDENTIALS_FILE=str(empty / "credentials"))
     if credentials is not None:
