@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect_server import prefect_server
+from tests.prefect_server import SESSION_SERVER
 
 REPO = Path(__file__).resolve().parents[1]
 SPOTLIGHT = str(Path(sys.executable).with_name("spotlight"))
@@ -34,21 +34,17 @@ def small_overrides(cache_url, tmp_path) -> list[str]:
     return [*SMALL, f"run.cache_url={cache_url}", f"run.url=file://{tmp_path}/run"]
 
 
-#: where ``prefect_api`` leaves its server's API URL (the environment: pytest may import this file twice)
-SESSION_API = "SPOTLIGHT_TESTS_PREFECT_API_URL"
-
-
 @pytest.fixture(scope="session", autouse=True)
-def prefect_api(tmp_path_factory) -> Iterator[str]:
-    """One real Prefect server per test process for the ``spotlight`` runs the tests start. Prefect's
-    ephemeral API takes a random port in 8000-8999 and the first health answer from it, so two runs that
-    start at once (two xdist workers) can both talk to the one server that bound the port first, which
-    stops when its owner's run ends: the other run fails mid-way with ConnectError (as a CI run did).
-    ``cli_env(..., ephemeral=True)`` keeps the ephemeral API where a test is about it (``make run`` uses it)."""
-    with prefect_server(tmp_path_factory.mktemp("prefect-api") / "home", api_only=True) as server:
-        os.environ[SESSION_API] = server.api_url
-        yield server.api_url
-        del os.environ[SESSION_API]
+def prefect_api(tmp_path_factory) -> Iterator[None]:
+    """One real Prefect server per test process for the ``spotlight`` runs the tests start (started by the
+    first ``cli_env`` that needs it). Prefect's ephemeral API takes a random port in 8000-8999 and the first
+    health answer from it, so two runs that start at once (two xdist workers) can both talk to the one server
+    that bound the port first, which stops when its owner's run ends: the other run fails mid-way with
+    ConnectError (as a CI run did). ``cli_env(..., ephemeral=True)`` keeps the ephemeral API where a test is
+    about it (``make run`` uses it)."""
+    SESSION_SERVER.home = tmp_path_factory.mktemp("prefect-api") / "home"
+    yield
+    SESSION_SERVER.close()
 
 
 def cli_env(tmp: Path, ephemeral: bool = False) -> dict[str, str]:
@@ -59,7 +55,7 @@ def cli_env(tmp: Path, ephemeral: bool = False) -> dict[str, str]:
                PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
     env.pop("PREFECT_API_URL", None)
     if not ephemeral:
-        env["PREFECT_API_URL"] = os.environ[SESSION_API]
+        env["PREFECT_API_URL"] = SESSION_SERVER.api_url()
     return env
 
 

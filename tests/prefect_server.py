@@ -11,10 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +99,30 @@ def stop_process_group(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+class SessionServer:
+    """One API-only server for a test process, started by the first run that needs it (a session of unit
+    tests starts none) and stopped by ``close``. It lives here, not in conftest, because pytest may import
+    conftest twice, and each import would hold a server of its own."""
+
+    def __init__(self) -> None:
+        self.home: Path | None = None  # set by the session fixture before any test runs
+        self._stack = ExitStack()
+        self._server: PrefectServer | None = None
+        self._lock = threading.Lock()
+
+    def api_url(self) -> str:
+        with self._lock:
+            if self._server is None:
+                assert self.home is not None, "the session fixture `prefect_api` sets the server's home"
+                self._server = self._stack.enter_context(prefect_server(self.home, api_only=True))
+            return self._server.api_url
+
+    def close(self) -> None:
+        with self._lock:
+            self._stack.close()
+            self._server = None
+
+
+SESSION_SERVER = SessionServer()

@@ -179,9 +179,9 @@ def test_ui_shows_run_state_and_artifacts(deployed: DeployedRun, tmp_path) -> No
     assert run.name in page and "Completed" in page and "iteration 1: train reward" in page, page[:2000]
 
     artifacts = flow_run_artifacts(server, run.id)
+    report_url = f"{server.url}/artifacts/artifact/{artifacts[f'{RUN_NAME}-report'][-1].id}"
     for attempt in range(3):  # on a loaded machine the page may be dumped before its images are in the DOM
-        report = render(f"{server.url}/artifacts/artifact/{artifacts[f'{RUN_NAME}-report'][-1].id}", "report",
-                        tmp_path / f"chromium-2-{attempt}")
+        report = render(report_url, "report", tmp_path / f"chromium-2-{attempt}")
         images = len(re.findall(r'<img[^>]*src="data:image/png;base64,', report))
         if images == 2:
             break
