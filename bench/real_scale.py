@@ -198,7 +198,8 @@ def iteration(cfg: Config, policy: DiffusionPolicy, rewards: dict[str, nn.Module
     seconds["reward"] = time.perf_counter() - started
     part_peak(device, peaks, "reward")
     advantages = group_advantages(scores.view(prompts, group), gc.adv_std, gc.adv_clip,
-                                  negative_weight=gc.negative_advantage_weight).flatten()
+                                  negative_weight=gc.negative_advantage_weight, std_floor=gc.adv_std_floor
+                                  ).flatten()
     cond = policy.encode_prompts(texts)
     uncond = policy.encode_prompts([sc.negative_prompt] * len(texts)) if policy.needs_uncond(sc.guidance) else None
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(device))

@@ -13,15 +13,20 @@ from spotlight.sampler import Rollout, SDEStep, step_log_prob
 
 
 def group_advantages(rewards: torch.Tensor, std: Literal["per_prompt", "global"] = "per_prompt",
-                     clip: float = 5.0, eps: float = 1e-4, negative_weight: float = 1.0) -> torch.Tensor:
+                     clip: float = 5.0, eps: float = 1e-4, negative_weight: float = 1.0,
+                     std_floor: float = 0.0) -> torch.Tensor:
     """``rewards`` [P, G] -> advantages [P, G]: centred per prompt, scaled by the per-prompt or global std.
 
     A group whose rewards are all equal gets zero advantage: it teaches nothing, which is why
     exploration hunts for high-variance groups. ``negative_weight`` scales the below-average samples'
     advantages (1: Flow-GRPO; 0: only the better samples of a group are reinforced, none pushed away).
+    ``std_floor`` is the least std a group is divided by: a solved prompt whose rewards differ by
+    0.001 then gets advantages of ~0.001 / floor instead of +-1, so the policy is not pushed towards
+    whichever of its near-perfect samples the reward happens to rank first (0: Flow-GRPO).
     """
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     scale = rewards.std(dim=1, keepdim=True) if std == "per_prompt" else rewards.std()
+    scale = scale.clamp(min=std_floor)
     advantages = (centred / (scale + eps)).clamp(-clip, clip)
     return torch.where(advantages < 0, advantages * negative_weight, advantages)
 

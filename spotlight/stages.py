@@ -246,7 +246,8 @@ def update(run: Run, t: int, key: str) -> Commit:
     rewards = reward.combine(components)
     grouped = rewards.view(len(chosen["prompts"]), -1)
     advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip,
-                                  negative_weight=gc.negative_advantage_weight).flatten().to(run.device)
+                                  negative_weight=gc.negative_advantage_weight,
+                                  std_floor=gc.adv_std_floor).flatten().to(run.device)
     cond, uncond = encode_conditioning(policy, prompts, sc.guidance, sc.negative_prompt)
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(run.device))
     if accelerator is not None:

@@ -119,6 +119,12 @@ def test_group_advantages():
         scaled = group_advantages(rewards, "per_prompt", clip=1.2, negative_weight=weight)
         torch.testing.assert_close(scaled, torch.where(adv < 0, weight * adv, adv))
         assert (scaled >= 0).all() if weight == 0 else (scaled < 0).any()
+    # grpo.adv_std_floor: a nearly solved group (std 0.001) is divided by the floor, a spread-out one by its std
+    solved = torch.tensor([[0.998, 0.999, 0.999, 1.0], [0.0, 1.0, 0.0, 1.0]])
+    floored = group_advantages(solved, "per_prompt", clip=5.0, std_floor=0.05)
+    torch.testing.assert_close(floored[0], (solved[0] - solved[0].mean()) / (0.05 + 1e-4))
+    assert floored[0].abs().max() < 0.03 < group_advantages(solved, "per_prompt")[0].abs().max()
+    torch.testing.assert_close(floored[1], group_advantages(solved, "per_prompt")[1])
 
 
 def test_clipped_loss_is_pessimistic():

@@ -99,6 +99,9 @@ class GRPOSection(Section):
     adv_std: Literal["per_prompt", "global"] = Field(
         "per_prompt", description="advantages divided by each prompt group's reward std, or by the whole "
         "batch's (flow_grpo's SD3 configs: global); chosen by iterations to target, docs/exploration.md")
+    adv_std_floor: float = Field(
+        0.0, ge=0, description="the least reward std a group's advantages are divided by: a solved prompt's "
+        "near-equal rewards then give small advantages instead of +-1 (0: Flow-GRPO; docs/recipe.md)")
     negative_advantage_weight: float = Field(
         1.0, ge=0, le=1, description="scales the advantages of a group's below-average samples: 1 is Flow-GRPO; "
         "0 reinforces only the better samples and pushes none away, which keeps within-prompt diversity "
