@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from spotlight.config import Config, load_config  # noqa: E402
-from spotlight.grpo import UpdateBatch, group_advantages, grpo_epoch  # noqa: E402
+from spotlight.grpo import UpdateBatch, grpo_epoch, recipe_advantages  # noqa: E402
 from spotlight.memory import GIB, LiveBytes, gib, profiled_peak  # noqa: E402
 from spotlight.memory_plan import (FRAGMENTATION, REWARD_ARCHITECTURES, decode_batch, plan_memory,  # noqa: E402
                                    reward_model_on_meta, rollout_forward, train_step)
@@ -197,9 +197,7 @@ def iteration(cfg: Config, policy: DiffusionPolicy, rewards: dict[str, nn.Module
     sync(device)
     seconds["reward"] = time.perf_counter() - started
     part_peak(device, peaks, "reward")
-    advantages = group_advantages(scores.view(prompts, group), gc.adv_std, gc.adv_clip,
-                                  negative_weight=gc.negative_advantage_weight, std_floor=gc.adv_std_floor
-                                  ).flatten()
+    advantages = recipe_advantages(scores.view(prompts, group), gc)
     cond = policy.encode_prompts(texts)
     uncond = policy.encode_prompts([sc.negative_prompt] * len(texts)) if policy.needs_uncond(sc.guidance) else None
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(device))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
 from spotlight.models.policy import Policy, PromptEmbeds
 from spotlight.sampler import Rollout, SDEStep, step_log_prob
+
+if TYPE_CHECKING:
+    from spotlight.config.recipe import GRPOSection
 
 
 def group_advantages(rewards: torch.Tensor, std: Literal["per_prompt", "global"] = "per_prompt",
@@ -29,6 +32,13 @@ def group_advantages(rewards: torch.Tensor, std: Literal["per_prompt", "global"]
     scale = scale.clamp(min=std_floor)
     advantages = (centred / (scale + eps)).clamp(-clip, clip)
     return torch.where(advantages < 0, advantages * negative_weight, advantages)
+
+
+def recipe_advantages(rewards: torch.Tensor, gc: GRPOSection) -> torch.Tensor:
+    """``group_advantages`` with the config's recipe, [P, G] -> [P * G]: the update and
+    ``bench/real_scale.py`` both take it, so an option of ``grpo`` cannot reach one and miss the other."""
+    return group_advantages(rewards, gc.adv_std, gc.adv_clip, negative_weight=gc.negative_advantage_weight,
+                            std_floor=gc.adv_std_floor).flatten()
 
 
 def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,

@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from spotlight import checkpoints, exploration
 from spotlight.ema import WeightsEMA, ema_state, weights_swapped
 from spotlight.filter import keep_most_informative
-from spotlight.grpo import UpdateBatch, group_advantages, grpo_epoch
+from spotlight.grpo import UpdateBatch, grpo_epoch, recipe_advantages
 from spotlight.planner import PlannerState, plan_exploration
 from spotlight.pretrain import (BaseTrainer, classifier_accuracy, load_optimizer_tensors, optimizer_tensors,
                                 train_classifier)
@@ -245,9 +245,7 @@ def update(run: Run, t: int, key: str) -> Commit:
                                                    accelerator)
     rewards = reward.combine(components)
     grouped = rewards.view(len(chosen["prompts"]), -1)
-    advantages = group_advantages(grouped, gc.adv_std, gc.adv_clip,
-                                  negative_weight=gc.negative_advantage_weight,
-                                  std_floor=gc.adv_std_floor).flatten().to(run.device)
+    advantages = recipe_advantages(grouped, gc).to(run.device)
     cond, uncond = encode_conditioning(policy, prompts, sc.guidance, sc.negative_prompt)
     batch = UpdateBatch(rollout, cond, uncond, advantages, policy.sigmas(sc.train_steps).to(run.device))
     if accelerator is not None:
