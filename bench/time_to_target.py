@@ -180,7 +180,7 @@ def quality_goal(spotlight: list[RunRecord], baseline: list[RunRecord], iteratio
     realism, realism_base = fmean(r.realism for r in spotlight), fmean(r.realism for r in baseline)
     checks = [(f"held-out {reward:.3f} >= 0.98", reward >= 0.98),
               (f"diversity {diversity:.3f} >= 0.85 of the base's", diversity >= 0.85),
-              (f"realism {realism:.3f} <= none-dp2-16p's {realism_base:.3f}", realism <= realism_base),
+              (f"realism {realism:.4f} <= none-dp2-16p's {realism_base:.4f}", realism <= realism_base),
               (f"fall after the peak in the last 5 {fall:.4f} <= 0.005 (worst seed {max(r.fall for r in spotlight):.4f})",
                fall <= 0.005)]
     return f"quality goal, spotlight at theta_{iterations}: " + "; ".join(
@@ -281,6 +281,10 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
     for name in names:
         for seed, r in zip(seed_list, records[name]):
             console.print(f"held-out reward, {name} seed {seed}: " + " ".join(f"{v:.3f}" for v in r.evals))
+    for name in names:  # per seed, the quality at theta_n that the first table averages
+        for seed, r in zip(seed_list, at_n[name]):
+            console.print(f"theta_{iterations}, {name} seed {seed}: held-out {r.evals[-1]:.4f}, diversity vs base "
+                          f"{fmt(r.diversity_vs_base)}, realism {fmt(r.realism, 4)}")
     console.print(f"runs kept under {root}")
 
 
