@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable, ContextManager, Literal
 
 import torch
 
@@ -88,7 +88,7 @@ class UpdateBatch:
 def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                batch: UpdateBatch, *, optimizer_steps: int, clip_range: float, noise_level: float,
                guidance: float, max_grad_norm: float, kl_beta: float = 0.0, kl_exact: bool = False,
-               microbatch_size: int | None = None,
+               kl_reference: Callable[[], ContextManager[Policy]] | None = None, microbatch_size: int | None = None,
                trained_steps: int | None = None, generator: torch.Generator, rank: int = 0, world: int = 1,
                after_step: Callable[[], None] | None = None) -> list[dict[str, float]]:
     """One pass over the (sample, timestep) rows in a seeded shuffled order, in ``optimizer_steps``
@@ -106,7 +106,8 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
 
     ``kl_beta`` > 0 adds the KL to the reference policy (``policy.reference()``: with LoRA the same
     weights with the adapter disabled) exactly as flow_grpo does (``_rows_loss``), so a ``kl_beta``
-    means what it means there. ``after_step`` runs after every optimizer step (the EMA's update).
+    means what it means there. ``kl_reference`` replaces that reference (``grpo.kl_reference: ema``: the
+    EMA's average swapped in). ``after_step`` runs after every optimizer step (the EMA's update).
     """
     ro = batch.rollout
     n, total_steps = ro.log_probs.shape
@@ -128,7 +129,7 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
             sync = nullcontext() if last or not hasattr(policy.transformer, "no_sync") else policy.transformer.no_sync()
             with sync:  # DDP all-reduces once per minibatch, on its last microbatch
                 loss, st = _rows_loss(policy, batch, chunk, steps, clip_range, noise_level, guidance, kl_beta,
-                                      kl_exact)
+                                      kl_exact, kl_reference or policy.reference)
                 (loss * share * len(chunk) / len(sel)).backward()
             parts.append((len(chunk), loss.item(), st))
         st = {key: sum(w * p[key] for w, _, p in parts) / len(sel) for key in parts[0][2] if key != "max_abs_log_ratio"}
@@ -144,19 +145,22 @@ def grpo_epoch(policy: Policy, params: list[torch.nn.Parameter], optimizer: torc
 
 
 def _rows_loss(policy: Policy, batch: UpdateBatch, sel: torch.Tensor, steps: int, clip_range: float,
-               noise_level: float, guidance: float, kl_beta: float,
-               kl_exact: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
-    """The mean clipped loss (+ KL) of rows ``sel`` (sample * steps + step), and its statistics."""
+               noise_level: float, guidance: float, kl_beta: float, kl_exact: bool,
+               kl_reference: Callable[[], ContextManager[Policy]]) -> tuple[torch.Tensor, dict[str, float]]:
+    """The mean clipped loss (+ KL) of rows ``sel`` (sample * steps + step), and its statistics. The
+    reference's pass comes first: a reference that swaps weights into the trained module must not do so
+    while this pass's graph holds them."""
     ro = batch.rollout
     i, k = sel // steps, sel % steps
     x, x_next = ro.latents[i, k], ro.latents[i, k + 1]
     uncond = batch.uncond[i] if batch.uncond is not None else None
+    if kl_beta > 0:
+        with torch.no_grad(), kl_reference() as reference:
+            _, ref_step = step_log_prob(reference, x, x_next, k, batch.cond[i], uncond, batch.sigmas,
+                                        noise_level, guidance)
     log_prob, step = step_log_prob(policy, x, x_next, k, batch.cond[i], uncond, batch.sigmas, noise_level, guidance)
     loss, st = clipped_policy_loss(log_prob, ro.log_probs[i, k], batch.advantages[i], clip_range)
     if kl_beta > 0:
-        with torch.no_grad(), policy.reference() as reference:
-            _, ref_step = step_log_prob(reference, x, x_next, k, batch.cond[i], uncond, batch.sigmas,
-                                        noise_level, guidance)
         kl = step_kl(step, ref_step, kl_exact)
         loss = loss + kl_beta * kl.mean()
         st["kl_ref"] = kl.mean().item()

@@ -424,10 +424,12 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
     if cfg.model.lora is None:
         training = [Part(f"transformer gradients ({_dtype_name(dtype)})", trainable_bytes),
                     Part(f"AdamW moments ({_dtype_name(dtype)})", 2 * trainable_bytes)]
-        if cfg.grpo.kl_beta > 0:
-            training.append(Part("theta_0 reference copy (KL)", trainable_bytes))
     else:
         training += [Part("LoRA gradients (float32)", trainable_bytes), Part("AdamW moments (float32)", 2 * trainable_bytes)]
+    if cfg.grpo.kl_beta > 0 and getattr(cfg.grpo, "kl_reference", "base") == "ema":  # weights_swapped's copy
+        training.append(Part("live weights' copy, EMA swapped in (KL)", trainable_bytes))
+    elif cfg.grpo.kl_beta > 0 and cfg.model.lora is None:
+        training.append(Part("theta_0 reference copy (KL)", trainable_bytes))
     if ema:
         training.append(Part("EMA of the trainable state", trainable_bytes))
     trainer_rewards = [p for n in dict.fromkeys(rewards["train"] + rewards["eval"]) for p in reward_parts.get(n, [])]

@@ -124,9 +124,10 @@ class Run:
         """The resident policy at theta_t for update(t). Its state is always what the store (or theta_0's
         copy) says, so a resumed process trains exactly what a running one would; training then changes
         it, so the next ``policy_at`` swaps a state in again. Full fine-tuning with a KL term freezes
-        theta_0 as the reference once (the copy of theta_0 then lives there, on the device)."""
+        theta_0 as the reference once (the copy of theta_0 then lives there, on the device); a KL to the EMA
+        (``grpo.kl_reference: ema``) needs no such copy."""
         policy = self._holding(t)
-        if self.cfg.grpo.kl_beta > 0 and not policy.has_reference:
+        if self.cfg.grpo.kl_beta > 0 and self.cfg.grpo.kl_reference == "base" and not policy.has_reference:
             policy.load_trainable_state(self._states[0])
             self._states[0] = policy.keep_reference()  # theta_0's copy now lives there: no second one
             policy.load_trainable_state(self.trainable_state_at(t))

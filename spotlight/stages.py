@@ -256,6 +256,8 @@ def update(run: Run, t: int, key: str) -> Commit:
         stats += grpo_epoch(policy, params, optimizer, batch, optimizer_steps=gc.optimizer_steps,
                             clip_range=gc.clip_range, noise_level=sc.noise_level, guidance=sc.guidance,
                             max_grad_norm=gc.max_grad_norm, kl_beta=gc.kl_beta, kl_exact=gc.kl_form == "exact",
+                            kl_reference=functools.partial(weights_swapped, policy, ema.average)
+                            if gc.kl_reference == "ema" else None,
                             microbatch_size=gc.microbatch_size,
                             trained_steps=cfg.trained_steps,
                             generator=generator(cfg.run.seed, "minibatches", t, epoch),

@@ -211,3 +211,21 @@ def test_a_trainer_process_holds_one_transformer(tiny, tmp_path):
         assert r["gradients"] == (grads if r in steps else 0), r["when"]
         # AdamW: two moments per adapter tensor, and its step counter (a host scalar per tensor)
         assert r["optimizer_state"] == (adamw + 4 * r["trainable_tensors"] if r in steps else 0), r["when"]
+
+
+def test_a_kl_to_the_ema_counts_the_swap_instead_of_a_theta_0_copy():
+    """Full fine-tuning with a KL keeps theta_0 as a second transformer; with ``grpo.kl_reference: ema`` the
+    average is swapped into the trained module instead, which holds the live weights aside meanwhile: the
+    same bytes, named for what they are. With LoRA the swap holds the adapter aside."""
+    def training(*sets: str) -> dict[str, int]:
+        cfg = load_config(REPO / "configs" / "tiny.yaml", ["grpo.ema.decay=0.9", *sets])
+        return {p.name: p.bytes for p in plan_memory(cfg).workers["trainer"].training}
+
+    base, ema = training(), training("grpo.kl_reference=ema")
+    swap = "live weights' copy, EMA swapped in (KL)"
+    assert "theta_0 reference copy (KL)" in base and swap not in base
+    assert "theta_0 reference copy (KL)" not in ema and ema[swap] == base["theta_0 reference copy (KL)"]
+    assert sum(ema.values()) == sum(base.values())
+    assert swap not in training("grpo.kl_reference=ema", "grpo.kl_beta=0")
+    lora = training("grpo.kl_reference=ema", "model.lora={rank: 4}")
+    assert lora[swap] == lora["LoRA adapter (float32)"] and "theta_0 reference copy (KL)" not in lora

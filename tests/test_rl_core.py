@@ -319,3 +319,36 @@ def test_the_exact_kl_form_is_flow_grpos_over_the_steps_width_and_the_gaussian_k
         gaussian = torch.distributions.kl_divergence(torch.distributions.Normal(step.mean, step.std),
                                                      torch.distributions.Normal(ref.mean, ref.std))
         assert torch.allclose(exact, gaussian.mean(dim=(1, 2, 3)), rtol=1e-4)
+
+
+def test_the_kl_to_the_ema_is_the_kl_to_a_policy_holding_its_weights():
+    """``grpo.kl_reference: ema`` swaps the average into the trained module for the reference's pass: the
+    update is the one whose reference is a separate module holding those weights, and the live weights
+    are untouched by the swap (the reference's pass comes before the pass whose graph holds them)."""
+    from spotlight.config import GRPOSection
+    from spotlight.ema import weights_swapped
+
+    with pytest.raises(ValueError, match="kl_reference: ema needs grpo.ema"):
+        GRPOSection(kl_reference="ema")
+    g = torch.Generator().manual_seed(1)
+    anchor = {k: v + 0.02 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+              for k, v in tiny_policy().trainable_state().items()}
+
+    def epoch(swapped: bool):
+        policy = tiny_policy()
+        batch = update_batch(policy, 4, 3, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+        params = list(policy.transformer.parameters())
+        if not swapped:
+            policy.keep_reference()
+            policy._reference.load_state_dict(anchor)
+        stats = grpo_epoch(policy, params, torch.optim.SGD(params, lr=1e-2), batch, optimizer_steps=2,
+                           clip_range=0.2, noise_level=0.7, guidance=1.0, max_grad_norm=100.0, kl_beta=1.0,
+                           kl_reference=(lambda: weights_swapped(policy, anchor)) if swapped else None,
+                           generator=torch.Generator().manual_seed(0))
+        return policy.trainable_state(), stats
+    (swapped, swapped_stats), (separate, separate_stats) = epoch(True), epoch(False)
+    assert swapped_stats[0]["kl_ref"] > 1e-4  # the anchor is not the policy: the term is live
+    for s, t in zip(swapped_stats, separate_stats):
+        assert s["kl_ref"] == pytest.approx(t["kl_ref"], rel=1e-5) and s["loss"] == pytest.approx(t["loss"], rel=1e-5)
+    for key in separate:
+        torch.testing.assert_close(swapped[key], separate[key], rtol=1e-5, atol=1e-7)

@@ -111,6 +111,9 @@ class GRPOSection(Section):
     kl_form: Literal["flow_grpo", "exact"] = Field(
         "flow_grpo", description="flow_grpo: its per-step term, no dt; exact: the KL between the two Gaussian "
         "steps (flow_grpo's / |dt|), whose sum over steps is the trajectory's KL to the base")
+    kl_reference: Literal["base", "ema"] = Field(
+        "base", description="what the KL is taken to: the base (theta_0, flow_grpo's), or the EMA of the trained "
+        "weights (grpo.ema), a reference that moves with the run (docs/recipe.md)")
     optimizer_steps: int = Field(9, ge=1, description="optimizer steps per epoch over an iteration's trained "
                                  "(sample, timestep) rows, each on an equal share of them (flow_grpo: 2)")
     microbatch_size: int | None = Field(None, ge=1, description="rows per forward pass (gradient accumulation "
@@ -128,6 +131,12 @@ class GRPOSection(Section):
             raise ValueError("grpo.minibatch_size is now grpo.optimizer_steps: optimizer steps per epoch, each on an "
                              "equal share of the iteration's prompts x group_size x trained steps rows (flow_grpo: 2)")
         return data
+
+    @model_validator(mode="after")
+    def _kl_to_the_ema(self) -> "GRPOSection":
+        if self.kl_reference == "ema" and self.ema is None:
+            raise ValueError("grpo.kl_reference: ema needs grpo.ema (the average the KL is taken to)")
+        return self
 
     @field_validator("group_size")
     @classmethod
