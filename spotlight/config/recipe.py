@@ -106,7 +106,8 @@ class GRPOSection(Section):
         1.0, ge=0, le=1, description="scales the advantages of a group's below-average samples: 1 is Flow-GRPO; "
         "0 reinforces only the better samples and pushes none away, which keeps within-prompt diversity "
         "(docs/recipe.md)")
-    kl_beta: float = Field(0.24, ge=0, description="weight of the KL to the base, as flow_grpo's train.beta: "
+    kl_beta: float = Field(0.24, ge=0, description="weight of the KL to the reference (kl_reference; flow_grpo's: "
+                           "the base), as flow_grpo's train.beta: "
                            "per step |mean - mean_ref|^2 / (2 std_t^2), no dt (spotlight.grpo.step_kl)")
     kl_form: Literal["flow_grpo", "exact"] = Field(
         "flow_grpo", description="flow_grpo: its per-step term, no dt; exact: the KL between the two Gaussian "
