@@ -426,7 +426,7 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
                     Part(f"AdamW moments ({_dtype_name(dtype)})", 2 * trainable_bytes)]
     else:
         training += [Part("LoRA gradients (float32)", trainable_bytes), Part("AdamW moments (float32)", 2 * trainable_bytes)]
-    if cfg.grpo.kl_beta > 0 and getattr(cfg.grpo, "kl_reference", "base") == "ema":  # weights_swapped's copy
+    if cfg.grpo.kl_beta > 0 and cfg.grpo.kl_reference == "ema":  # weights_swapped holds the live weights aside
         training.append(Part("live weights' copy, EMA swapped in (KL)", trainable_bytes))
     elif cfg.grpo.kl_beta > 0 and cfg.model.lora is None:
         training.append(Part("theta_0 reference copy (KL)", trainable_bytes))
