@@ -27,7 +27,7 @@ GPU. ``bench/real_scale.py`` checks the activation figures against an allocator'
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -136,7 +136,6 @@ class MemoryPlan:
     workers: dict[str, WorkerMemory]  # by placement kind (trainer, explorer)
     fits: dict[str, tuple[Fit, ...]]  # by placement kind, one per candidate accelerator
     peaks: dict[str, int]  # every activation peak computed, by what was run (e.g. "train step (with ...)")
-    notes: tuple[str, ...] = field(default=())
 
     def dropped(self, kind: str) -> list[Fit]:
         return [f for f in self.fits.get(kind, ()) if not f.fits]
@@ -297,25 +296,25 @@ def _eval_images(cfg: Config) -> int:
 
 
 def _ema_on(cfg: Config, ema: bool | None) -> bool:
-    """EMA of the trainable state: ``ema`` if given, else the recipe's ``grpo.ema`` when the config has it."""
-    return bool(getattr(cfg.grpo, "ema", None)) if ema is None else ema
+    """EMA of the trainable state: ``ema`` if given, else whether the recipe's ``grpo.ema`` is on."""
+    return cfg.grpo.ema is not None if ema is None else ema
 
 
 def plan_memory(cfg: Config, ema: bool | None = None) -> MemoryPlan:
     """The memory plan of ``cfg`` for GPU workers. ``ema``: count an EMA copy of the trainable state (default:
-    the config's ``grpo.ema`` when the recipe has that setting)."""
+    the config's ``grpo.ema``)."""
     degree, explorers = cfg.placement.sequence_parallel.degree, cfg.placement.explorer.workers > 0
     recipe = {k: v for k, v in cfg.recipe().items() if k != "run"}  # store URLs, seeds, threads: no bytes
-    workers, source, dtype, peaks, notes = _workers(json.dumps(recipe, sort_keys=True), degree, explorers,
-                                                    _ema_on(cfg, ema))
+    workers, source, dtype, peaks = _workers(json.dumps(recipe, sort_keys=True), degree, explorers,
+                                             _ema_on(cfg, ema))
     fits = {kind: tuple(Fit(a, gpu_memory(a), w.need) for a in getattr(cfg.placement, kind).accelerators)
             for kind, w in workers.items()}
-    return MemoryPlan(source, dtype, workers, fits, dict(peaks), notes)
+    return MemoryPlan(source, dtype, workers, fits, dict(peaks))
 
 
 @lru_cache(maxsize=16)
 def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
-             ) -> tuple[dict[str, WorkerMemory], str, str, dict[str, int], tuple[str, ...]]:
+             ) -> tuple[dict[str, WorkerMemory], str, str, dict[str, int]]:
     """What each worker kind holds: depends on the recipe, the sequence-parallel degree and whether there are
     explorers, not on the accelerators (so a placement change reuses it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -470,10 +469,7 @@ def _workers(recipe_json: str, degree: int, explorers: bool, ema: bool
         folder = model_folder(cfg.model)
         repo = ARCHITECTURES_DIR.parent.parent
         source = str(folder.relative_to(repo) if folder.is_relative_to(repo) else folder)
-    plan_notes = []
-    if not ema and not hasattr(cfg.grpo, "ema"):
-        plan_notes.append("no EMA counted: this config has no grpo.ema setting (plan_memory(cfg, ema=True) counts one)")
-    return workers, source, _dtype_name(dtype), dict(peaks), tuple(plan_notes)
+    return workers, source, _dtype_name(dtype), dict(peaks)
 
 
 def worker_weight_bytes(cfg: Config, kind: str) -> int:
@@ -557,5 +553,4 @@ def format_plan(plan: MemoryPlan) -> str:
                 continue
             verdict = "fits" if f.fits else f"too small: short by {gib(f.need - f.memory)} GiB (dropped)"
             lines.append(f"  {f.accelerator:<14} {gib(f.memory):>8} GiB  {verdict}")
-    lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
