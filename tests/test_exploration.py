@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from spotlight.config import load_config
+from spotlight.config import ConfigError, load_config
 from spotlight.exploration import candidate_seeds, make_items, spearman
 from spotlight.filter import keep_most_informative, max_variance_subset, select
 from spotlight.planner import PlannerState, plan
@@ -32,6 +32,21 @@ def test_max_variance_subset_is_optimal(seed):
     brute = max(rewards[list(c)].std().item() for c in itertools.combinations(range(9), 4))
     assert std == pytest.approx(brute, abs=1e-12)
     assert rewards[idx].std().item() == pytest.approx(std, abs=1e-12) and len(set(idx.tolist())) == 4
+
+
+@pytest.mark.parametrize("chosen", [0, 1, 2, 3])
+def test_variance_seeds_keeps_the_first_candidates_and_chooses_the_rest_optimally(chosen):
+    """exploration.variance_seeds: the group keeps its first G - n candidates as drawn, and the n chosen
+    among the others give the most variance any such group can have (brute force over every choice)."""
+    for seed in range(10):
+        rewards = torch.rand(9, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).round(decimals=1)
+        idx, std = max_variance_subset(rewards, 4, chosen)
+        drawn = list(range(4 - chosen))
+        brute = max(rewards[drawn + list(c)].std().item() for c in itertools.combinations(range(4 - chosen, 9), chosen))
+        assert std == pytest.approx(brute, abs=1e-12)
+        assert set(drawn) <= set(idx.tolist()) and len(set(idx.tolist())) == 4
+    with pytest.raises(ConfigError, match=r"variance_seeds \(9\) exceeds grpo.group_size \(8\)"):
+        load_config(REPO / "configs/tiny.yaml", ["exploration.variance_seeds=9"])
 
 
 def test_select_reports_gain_over_random_group():

@@ -72,6 +72,10 @@ class Config(Section):
             raise ValueError(
                 f"exploration.candidates_per_prompt ({self.exploration.candidates_per_prompt}) must be >= "
                 f"grpo.group_size ({self.grpo.group_size})")
+        chosen = self.exploration.variance_seeds
+        if chosen is not None and chosen > self.grpo.group_size:
+            raise ValueError(f"exploration.variance_seeds ({chosen}) exceeds grpo.group_size ({self.grpo.group_size}): "
+                             "it counts the seeds of one group chosen for variance")
         sp = self.placement.sequence_parallel
         if sp.degree > 1 and self.model.kind not in SEQUENCE_PARALLEL_KINDS:
             raise ValueError(f"placement.sequence_parallel.degree is {sp.degree}, but model.kind {self.model.kind!r} "

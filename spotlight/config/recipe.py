@@ -156,6 +156,9 @@ class ExplorationSection(Section):
         "then the highest-variance groups among prompts_per_iteration + extra_prompts; prompts = the "
         "highest-variance groups, each trained on its first G seeds; seeds = no extra prompts, per prompt "
         "the max-variance G seeds")
+    variance_seeds: int | None = Field(None, ge=0, description="of each trained group's G seeds, how many the "
+                                       "filter chooses for reward variance; the rest are the prompt's first "
+                                       "candidates, as drawn (typical samples beside the tails). null: all G")
     candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the "
                                        "first-iteration default")
     max_candidates_per_prompt: int = Field(64, ge=1)
