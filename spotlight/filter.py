@@ -61,8 +61,8 @@ def first_group(seeds: list[int], rewards: list[float], g: int) -> Selection:
 
 
 def keep_most_informative(prompts: list[str], seeds: list[list[int]], rewards: list[list[float]], g: int,
-                          keep: int, min_std: float, select_seeds: bool = True, variance_seeds: int | None = None
-                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+                          keep: int, min_std: float, select_seeds: bool = True, variance_seeds: int | None = None,
+                          variance_groups: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per prompt the max-variance group of G seeds, then the ``keep`` prompt groups with the most
     variance (low-variance prompts are replaced by the extra ones explored): the filtered table
     ``{"prompts", "seeds"}`` and its statistics (a row per explored prompt: what the planner learns from).
@@ -70,7 +70,10 @@ def keep_most_informative(prompts: list[str], seeds: list[list[int]], rewards: l
     ``select_seeds=False`` (the prompt-selection-only ablation): each prompt's group is its first G
     candidates, and prompts are ranked by that group's std, so only the choice of prompts differs
     from mode ``none``. (Seed-selection only is the default filter with no extra prompts drawn.)
-    ``variance_seeds``: of each group, how many are chosen for variance (the rest: its first candidates)."""
+    ``variance_seeds``: of each group, how many are chosen for variance (the rest: its first candidates).
+    ``variance_groups``: of the kept groups, how many (those of most variance) train their chosen seeds;
+    the others train their first G candidates, as drawn (each group's advantages are its own, so these
+    keep a typical sample's gradient at full strength)."""
     rows, selections = [], []
     for prompt, row_seeds, row_rewards in zip(prompts, seeds, rewards):
         sel = (select(row_seeds, row_rewards, g, variance_seeds) if select_seeds
@@ -78,7 +81,11 @@ def keep_most_informative(prompts: list[str], seeds: list[list[int]], rewards: l
         selections.append(sel)
         rows.append({"prompt": prompt, "candidates": len(row_seeds), "std": sel.std, "random_std": sel.random_std,
                      "candidates_std": sel.candidates_std, "gain": sel.std - sel.random_std, "kept": False})
-    best = sorted(sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[:keep])
+    ranked = sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[:keep]
+    for i in ranked[keep if variance_groups is None else variance_groups:]:
+        selections[i] = first_group(seeds[i], rewards[i], g)
+        rows[i]["std"] = selections[i].std
+    best = sorted(ranked)
     for i in best:
         rows[i]["kept"] = True
     kept = {"prompts": [prompts[i] for i in best], "seeds": [selections[i].seeds for i in best]}

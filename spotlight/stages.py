@@ -151,7 +151,8 @@ def filter_seeds(run: Run, t: int, key: str) -> Commit:
     kept, stats = keep_most_informative(explored["prompts"], explored["seeds"], explored["rewards"], g,
                                         cfg.grpo.prompts_per_iteration, cfg.exploration.min_std,
                                         select_seeds=cfg.exploration.select != "prompts",
-                                        variance_seeds=cfg.exploration.variance_seeds)
+                                        variance_seeds=cfg.exploration.variance_seeds,
+                                        variance_groups=cfg.exploration.variance_groups)
     return run.store.commit(key, {"filtered.json": json_bytes(kept), "stats.json": json_bytes(stats)})
 
 

@@ -49,6 +49,22 @@ def test_variance_seeds_keeps_the_first_candidates_and_chooses_the_rest_optimall
         load_config(REPO / "configs/tiny.yaml", ["exploration.variance_seeds=9"])
 
 
+def test_variance_groups_trains_the_rest_of_the_kept_groups_on_their_drawn_seeds():
+    """exploration.variance_groups: the same prompts are kept; the most varied k train their chosen seeds,
+    the other kept groups their first G candidates, and the statistics report what is trained."""
+    prompts, seeds = ["a", "b", "c"], [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    rewards = [[0.5, 0.5, 0.0, 1.0], [0.2, 0.8, 0.5, 0.5], [0.5, 0.5, 0.1, 0.9]]
+    chosen, _ = keep_most_informative(prompts, seeds, rewards, 2, 2, 0.0)
+    assert chosen == {"prompts": ["a", "c"], "seeds": [[3, 4], [11, 12]]}
+    mixed, stats = keep_most_informative(prompts, seeds, rewards, 2, 2, 0.0, variance_groups=1)
+    assert mixed == {"prompts": ["a", "c"], "seeds": [[3, 4], [9, 10]]}  # c, the less varied, as drawn
+    assert [r["std"] for r in stats["prompts"] if r["kept"]] == [pytest.approx(0.5 ** 0.5), 0.0]
+    drawn, _ = keep_most_informative(prompts, seeds, rewards, 2, 2, 0.0, variance_groups=0)
+    assert drawn == {"prompts": ["a", "c"], "seeds": [[1, 2], [9, 10]]}
+    with pytest.raises(ConfigError, match=r"variance_groups \(9\) exceeds grpo.prompts_per_iteration \(8\)"):
+        load_config(REPO / "configs/tiny.yaml", ["exploration.variance_groups=9"])
+
+
 def test_select_reports_gain_over_random_group():
     sel = select([10, 11, 12, 13, 14, 15], [0.5, 0.5, 0.5, 0.5, 0.0, 1.0], 4)
     assert sorted(sel.seeds) == [10, 11, 14, 15] or set(sel.seeds) >= {14, 15}

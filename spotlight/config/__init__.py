@@ -76,6 +76,10 @@ class Config(Section):
         if chosen is not None and chosen > self.grpo.group_size:
             raise ValueError(f"exploration.variance_seeds ({chosen}) exceeds grpo.group_size ({self.grpo.group_size}): "
                              "it counts the seeds of one group chosen for variance")
+        groups = self.exploration.variance_groups
+        if groups is not None and groups > self.grpo.prompts_per_iteration:
+            raise ValueError(f"exploration.variance_groups ({groups}) exceeds grpo.prompts_per_iteration "
+                             f"({self.grpo.prompts_per_iteration}): it counts trained groups")
         sp = self.placement.sequence_parallel
         if sp.degree > 1 and self.model.kind not in SEQUENCE_PARALLEL_KINDS:
             raise ValueError(f"placement.sequence_parallel.degree is {sp.degree}, but model.kind {self.model.kind!r} "

@@ -159,6 +159,9 @@ class ExplorationSection(Section):
     variance_seeds: int | None = Field(None, ge=0, description="of each trained group's G seeds, how many the "
                                        "filter chooses for reward variance; the rest are the prompt's first "
                                        "candidates, as drawn (typical samples beside the tails). null: all G")
+    variance_groups: int | None = Field(None, ge=0, description="of the prompts_per_iteration trained groups, how "
+                                        "many (those of most variance) train their chosen seeds; the others their "
+                                        "first G candidates, as drawn. null: all")
     candidates_per_prompt: int = Field(16, ge=1, description="floor per prompt is group_size; this is the "
                                        "first-iteration default")
     max_candidates_per_prompt: int = Field(64, ge=1)
