@@ -84,7 +84,7 @@ def keep_most_informative(prompts: list[str], seeds: list[list[int]], rewards: l
     ranked = sorted(range(len(rows)), key=lambda i: (-rows[i]["std"], i))[:keep]
     for i in ranked[keep if variance_groups is None else variance_groups:]:
         selections[i] = first_group(seeds[i], rewards[i], g)
-        rows[i]["std"] = selections[i].std
+        rows[i] |= {"std": selections[i].std, "gain": 0.0}
     best = sorted(ranked)
     for i in best:
         rows[i]["kept"] = True

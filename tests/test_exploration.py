@@ -58,7 +58,8 @@ def test_variance_groups_trains_the_rest_of_the_kept_groups_on_their_drawn_seeds
     assert chosen == {"prompts": ["a", "c"], "seeds": [[3, 4], [11, 12]]}
     mixed, stats = keep_most_informative(prompts, seeds, rewards, 2, 2, 0.0, variance_groups=1)
     assert mixed == {"prompts": ["a", "c"], "seeds": [[3, 4], [9, 10]]}  # c, the less varied, as drawn
-    assert [r["std"] for r in stats["prompts"] if r["kept"]] == [pytest.approx(0.5 ** 0.5), 0.0]
+    assert [(r["std"], r["gain"]) for r in stats["prompts"] if r["kept"]] == [
+        (pytest.approx(0.5 ** 0.5), pytest.approx(0.5 ** 0.5)), (0.0, 0.0)]  # a's first two are equal
     drawn, _ = keep_most_informative(prompts, seeds, rewards, 2, 2, 0.0, variance_groups=0)
     assert drawn == {"prompts": ["a", "c"], "seeds": [[1, 2], [9, 10]]}
     with pytest.raises(ConfigError, match=r"variance_groups \(9\) exceeds grpo.prompts_per_iteration \(8\)"):
