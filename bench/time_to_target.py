@@ -83,7 +83,7 @@ def env() -> dict[str, str]:
 def run_mode(mode: Mode, seed: int, iterations: int, root: Path, extra: list[str]) -> Path:
     run = root / f"{mode.name}-s{seed}"
     sets = [f"run.url=file://{run}", f"run.cache_url=file://{root}/cache", f"run.seed={seed}",
-            f"grpo.iterations={iterations}", "evaluation.every=1", *mode.sets, *extra]
+            f"grpo.iterations={iterations}", "evaluation.every=1", *extra, *mode.sets]
     if mode.data_parallel:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(mode.data_parallel), str(REPO / "bench/data_parallel_run.py"),
@@ -204,7 +204,9 @@ def main(targets: str = "0.95,0.96,0.97,0.975,0.98", iterations: int = 20, seeds
                                                   "their way to a target they reach late; quality is still "
                                                   "compared at theta_ITERATIONS (the same weights: nothing in "
                                                   "a run depends on its length)"),
-         out: Path = typer.Option(None), extra: list[str] = typer.Option([], "--set"),
+         out: Path = typer.Option(None),
+         extra: list[str] = typer.Option([], "--set", help="a config override for every mode; what defines a "
+                                         "mode wins (its exploration mode, none-dp2-16p's 16 prompts)"),
          modes: str = typer.Option(",".join(m.name for m in MODES), help="which modes, comma-separated"),
          quality_at: float = typer.Option(0.97, help="also show diversity and realism where a run first reaches this"),
          reuse: bool = typer.Option(False, help="print the tables for the runs already under --out; run nothing")) -> None:
