@@ -57,9 +57,8 @@ CLASSIFIERS = {"reward_classifier": ("a", 16, 1), "eval_classifier": ("b", 12, 2
 DIGIT_REWARDS = ("digit_classifier", "heldout_classifier")
 
 
-def pretrain(run: Run) -> Commit | None:
-    """What the run needs trained before RL, cached: the digit reward classifiers (when a digit reward
-    is used) and the tiny base policy (EMA weights), resumable in chunks. Pipelines arrive pretrained."""
+def train_digit_classifiers(run: Run) -> None:
+    """The digit reward classifiers, each on its half of the digits, cached (when a digit reward is used)."""
     cfg, cache = run.cfg, run.cache
     if set(DIGIT_REWARDS) & set(cfg.rewards.names()) and not cache.is_committed(run.classifiers_key):
         objects, meta = {}, {}
@@ -70,6 +69,13 @@ def pretrain(run: Run) -> Commit | None:
             held_out = "b" if part == "a" else "a"
             meta[name] = {"width": width, "trained_on": part, "accuracy_on_other_half": classifier_accuracy(model, held_out)}
         cache.commit(run.classifiers_key, objects, meta)
+
+
+def pretrain(run: Run) -> Commit | None:
+    """What the run needs trained before RL, cached: the digit reward classifiers (when a digit reward
+    is used) and the tiny base policy (EMA weights), resumable in chunks. Pipelines arrive pretrained."""
+    cfg, cache = run.cfg, run.cache
+    train_digit_classifiers(run)
     if not run.pretrains_base:
         return None
     final = f"{run.base_key}/final"
