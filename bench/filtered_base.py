@@ -22,6 +22,7 @@ from rich.table import Table
 from iterations_to_target import open_run
 
 from spotlight.data import DIGIT_PROMPTS, NUM_CLASSES, split
+from spotlight.run import Run
 
 
 def unseen_real_digits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +32,7 @@ def unseen_real_digits() -> tuple[torch.Tensor, torch.Tensor]:
     return split("a" if CLASSIFIERS["eval_classifier"][0] == "b" else "b")
 
 
-def held_out_per_digit(run) -> list[float]:
+def held_out_per_digit(run: Run) -> list[float]:
     """The held-out reward of the unseen real digits of each class, under this run seed's classifier."""
     images, labels = unseen_real_digits()
     scores = run.weighted_reward("eval")(images, [DIGIT_PROMPTS[k] for k in labels.tolist()])
