@@ -21,7 +21,7 @@ from rich.table import Table
 
 from iterations_to_target import open_run
 
-from spotlight.data import DIGIT_PROMPTS, NUM_CLASSES, split
+from spotlight.data import DIGIT_PROMPTS, NUM_CLASSES, other_half, split
 from spotlight.run import Run
 
 
@@ -29,7 +29,7 @@ def unseen_real_digits() -> tuple[torch.Tensor, torch.Tensor]:
     """The half of the digits the held-out classifier was not trained on, and their labels."""
     from spotlight.stages import CLASSIFIERS
 
-    return split("a" if CLASSIFIERS["eval_classifier"][0] == "b" else "b")
+    return split(other_half(CLASSIFIERS["eval_classifier"][0]))
 
 
 def held_out_per_digit(run: Run) -> list[float]:

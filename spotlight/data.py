@@ -32,6 +32,11 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
     return (images * 2 - 1).clamp(-1, 1), torch.tensor(raw.target, dtype=torch.int64)
 
 
+def other_half(part: Literal["a", "b"]) -> Literal["a", "b"]:
+    """The half of the digits that ``part`` is not: what a classifier trained on ``part`` never saw."""
+    return "b" if part == "a" else "a"
+
+
 def split(part: Literal["a", "b"]) -> tuple[torch.Tensor, torch.Tensor]:
     """Two disjoint halves, so the held-out evaluation classifier never sees the reward's data."""
     images, labels = digits()

@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 
 from spotlight import checkpoints, exploration
+from spotlight.data import other_half
 from spotlight.ema import WeightsEMA, ema_state, weights_swapped
 from spotlight.filter import keep_most_informative
 from spotlight.grpo import UpdateBatch, grpo_epoch, recipe_advantages
@@ -66,8 +67,8 @@ def train_digit_classifiers(run: Run) -> None:
             model = train_classifier(part, width, cfg.pretrain.classifier_steps, derive_seed(cfg.run.seed, name, seed),
                                      lambda d, n, _s, name=name: run.progress(f"train {name}", d, n))
             objects[f"{name}.safetensors"] = tensors_to_bytes(model.state_dict())
-            held_out = "b" if part == "a" else "a"
-            meta[name] = {"width": width, "trained_on": part, "accuracy_on_other_half": classifier_accuracy(model, held_out)}
+            meta[name] = {"width": width, "trained_on": part,
+                          "accuracy_on_other_half": classifier_accuracy(model, other_half(part))}
         cache.commit(run.classifiers_key, objects, meta)
 
 
