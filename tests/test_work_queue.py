@@ -249,12 +249,35 @@ def wait_until(pred: Callable[[], bool], timeout: float = 30, what: str = "") ->
         time.sleep(0.05)
 
 
+def wait_for(get: Callable[[], Any], timeout: float = 30, what: str = "") -> Any:
+    """``get()``'s first value that is not None."""
+    deadline = time.monotonic() + timeout
+    while (value := get()) is None:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
 def recorded(queue: WorkQueue, item_id: str) -> int:
     return len(queue.item(item_id)["units"]) - len(queue.pending_units(item_id))
 
 
 def lease_objects(store: RunStore, prefix: str, item_id: str) -> list[str]:
     return [n for n in store.list(f"{prefix}/leases/{item_id}") if "." not in n]
+
+
+def held_by(queue: WorkQueue, worker: str, units_left: int) -> str | None:
+    """An item whose latest claim is ``worker``'s, not released, with at least ``units_left`` units to go:
+    a signal sent now lands while the worker holds it (under load a worker may be between items)."""
+    for item in queue.items():
+        names = lease_objects(queue.store, queue.prefix, item["id"])
+        claims = sorted(n for n in names if n.endswith("-000000"))
+        if not claims or f"{claims[-1][:6]}-released" in names:
+            continue
+        lease = queue.store.get_json(f"{queue.prefix}/leases/{item['id']}/{claims[-1]}")
+        if lease["worker"] == worker and len(queue.pending_units(item["id"])) >= units_left:
+            return item["id"]
+    return None
 
 
 def test_sigterm_records_finished_units_releases_the_item_and_exits_0(tmp_path):
@@ -317,7 +340,7 @@ def test_racing_worker_processes_complete_each_item_exactly_once(tmp_path):
 
 def test_results_after_sigterm_kill9_and_races_equal_a_fault_free_run(store):
     url, lease = store.url, 1.5
-    items = make_items(8, 5, 0.08)
+    items = make_items(8, 6, 0.1)
     clean = WorkQueue(store, "clean", lease_seconds=lease)
     clean.publish(items)
     clean_stats = run_worker(clean, handler, worker_id="solo", batch_units=2)
@@ -328,10 +351,13 @@ def test_results_after_sigterm_kill9_and_races_equal_a_fault_free_run(store):
              for name in ("term", "kill", "steady")}
     ready(*procs.values())
     faulty.publish(items)
-    wait_until(lambda: faulty.status()["units_done"] >= 6, what="6 units")
-    procs["term"].send_signal(signal.SIGTERM)
-    wait_until(lambda: faulty.status()["units_done"] >= 14, what="14 units")
-    procs["kill"].kill()
+    signalled = {}
+    for name in ("term", "kill"):  # each while it holds an item with two batches to go (>= 0.2 s of work)
+        signalled[name] = wait_for(lambda: held_by(faulty, name, units_left=4), what=f"{name} to hold an item")
+        if name == "term":
+            procs["term"].send_signal(signal.SIGTERM)
+        else:
+            procs["kill"].kill()
     late = spawn(url, "faulty", "late", "--lease", str(lease), "--batch", "2", "--poll", "0.05")
     rc_term, term = finish(procs["term"])
     rc_kill, _ = finish(procs["kill"])
@@ -339,8 +365,9 @@ def test_results_after_sigterm_kill9_and_races_equal_a_fault_free_run(store):
     rc_late, late_stats = finish(late)
     assert (rc_term, rc_kill, rc_steady, rc_late) == (0, -signal.SIGKILL, 0, 0)
     assert term["stopped"] and not steady["stopped"] and faulty.drained()
+    assert signalled["term"] in term["items_released"], "SIGTERM landed mid-item: the item was handed back"
     taken_over = [it["id"] for it in items if "000001-000000" in lease_objects(store, "faulty", it["id"])]
-    assert taken_over, "some item was released or expired and claimed again"
+    assert set(signalled.values()) <= set(taken_over), "the released and the expired item were claimed again"
     assert faulty.results() == clean.results() == {u: unit_result(u) for it in items for u in it["units"]}
 
 
