@@ -22,6 +22,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
+from targets import fall_after_peak
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,8 +105,7 @@ def main(variant: list[str] = typer.Option(..., help="name:override,override,...
             cells.append(cell if len(hits) == len(seed_list) else f"{cell} ({len(hits)}/{len(seed_list)})")
         final = mean([curves[(name, s)][-1] for s in seed_list])
         last5 = mean([mean(curves[(name, s)][-5:]) for s in seed_list])
-        falls = [max(max(c[: i + 1]) - c[i] for i in range(max(0, len(c) - 5), len(c)))
-                 for c in (curves[(name, s)] for s in seed_list)]
+        falls = [fall_after_peak(curves[(name, s)]) for s in seed_list]
         table.add_row(name, " ".join(sets), *cells, f"{final:.3f}", f"{last5:.3f}",
                       f"{mean(falls):.4f} ({max(falls):.4f})")
     console = Console(width=200)

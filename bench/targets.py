@@ -77,6 +77,11 @@ def hits(curves: dict[str, list[Curve]], target: float) -> dict[str, list[Hit]]:
     return {mode: [first_hit(c, target) for c in runs] for mode, runs in curves.items()}
 
 
+def fall_after_peak(curve: list[float], last: int = 5) -> float:
+    """max over the last ``last`` points of (best so far - the point): 0 for a curve that never falls."""
+    return max(max(curve[: i + 1]) - curve[i] for i in range(max(0, len(curve) - last), len(curve)))
+
+
 def t_interval(values: list[float], confidence: float = 0.95) -> Interval | None:
     """Mean and t-interval of ``values`` (e.g. the seconds to target of the seeds that reached it)."""
     if not values:

@@ -42,7 +42,7 @@ from statistics import fmean
 import typer
 from rich.console import Console
 from rich.table import Table
-from targets import Curve, hits, reached_summary, seed_ratio, speedups, t_interval
+from targets import Curve, fall_after_peak, hits, reached_summary, seed_ratio, speedups, t_interval
 
 from spotlight.store import RunStore
 
@@ -164,11 +164,6 @@ def record(run: Path, iterations: int) -> RunRecord:
             core_seconds[max(k - 1, 0) if mode == "spotlight" else min(k, iterations - 1)] += worker
     return RunRecord(evals, seconds, core_seconds, [m.get("diversity_vs_base") for m in metrics],
                      [m.get("realism_digits") for m in metrics])
-
-
-def fall_after_peak(curve: list[float], last: int = 5) -> float:
-    """max over the last ``last`` points of (best so far - the point)."""
-    return max(max(curve[: i + 1]) - curve[i] for i in range(max(0, len(curve) - last), len(curve)))
 
 
 def quality_goal(spotlight: list[RunRecord], baseline: list[RunRecord], iterations: int) -> str:

@@ -9,7 +9,8 @@ import random
 import pytest
 from scipy.stats import t as student_t
 
-from bench.targets import Hit, Ratio, first_hit, hits, mean_ratio, reached_summary, seed_ratio, speedups, t_interval
+from bench.targets import (Hit, Ratio, fall_after_peak, first_hit, hits, mean_ratio, reached_summary, seed_ratio, speedups,
+                           t_interval)
 
 HORIZON = 20  # iterations the benchmark runs
 
@@ -133,3 +134,9 @@ def test_first_hit_and_interval_edges():
     assert (one.mean, one.low, one.high, one.n) == (5.0, None, None, 1) and str(one) == "5.0 (n=1)"
     assert mean_ratio([Hit(None, None, 10.0)], [Hit(2, 4.0, 8.0)]) == Ratio(2.5, ">")
     assert seed_ratio(Hit(3, 6.0, 10.0), Hit(None, None, 12.0)) == Ratio(0.5, "<")
+
+
+def test_fall_after_the_peak_counts_only_the_last_points_and_their_best_so_far():
+    assert fall_after_peak([0.90, 0.95, 0.97, 0.98]) == 0.0  # still rising: no fall
+    assert fall_after_peak([0.99, 0.90, 0.95, 0.96, 0.97, 0.98, 0.985], last=5) == pytest.approx(0.04)  # 0.99 - 0.95
+    assert fall_after_peak([0.99, 0.90, 0.95, 0.96, 0.97, 0.98, 0.985], last=2) == pytest.approx(0.01)
