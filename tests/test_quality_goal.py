@@ -1,0 +1,58 @@
+"""bench/quality_goal.py: issue 17's goal judged over seeds from merged bench outputs, with intervals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from statistics import fmean, stdev
+
+from scipy.stats import t as student_t
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "quality_goal.py"
+
+
+def run(rewards: list[float], diversity: float, realism: float) -> dict[str, list[float]]:
+    n = len(rewards)
+    return {"eval_reward": rewards, "diversity_vs_base": [diversity] * n, "realism_digits": [realism] * n}
+
+
+def quality_goal(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args, "--iterations", "3"], capture_output=True,
+                          text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+
+
+def interval(values: list[float]) -> str:
+    half = student_t.ppf(0.975, len(values) - 1) * stdev(values) / len(values) ** 0.5
+    return f"{fmean(values):.4f} [{fmean(values) - half:.4f}, {fmean(values) + half:.4f}]"
+
+
+def test_merges_inputs_under_aliases_and_judges_by_the_mean_and_at_95(tmp_path):
+    ours = {0: run([0.97, 0.99, 0.98], 0.86, 0.27), 1: run([0.96, 0.98, 0.99], 0.87, 0.28),
+            2: run([0.96, 0.97, 0.975], 0.84, 0.29)}
+    base = {s: run([0.9, 0.92, 0.93], 0.9, r) for s, r in ((0, 0.275), (1, 0.279), (2, 0.291))}
+    (tmp_path / "a.json").write_text(json.dumps({**{f"mine|{s}": r for s, r in ours.items() if s < 2},
+                                                 **{f"plain|{s}": r for s, r in base.items()}}))
+    (tmp_path / "b.json").write_text(json.dumps({"mine-alias|2": ours[2], "mine|1": ours[1]}))
+    out = quality_goal(str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--method", "mine,mine-alias",
+                       "--baseline", "plain")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.stdout.splitlines() if line.startswith("│")}
+    # quantity: [goal, mean [interval], met by the mean, met at 95%, seeds that meet it]
+    assert rows["held-out reward, theta_3"] == [">= 0.98", interval([0.98, 0.99, 0.975]), "yes", "no", "2/3"]
+    assert rows["diversity vs base"] == [">= 0.85", interval([0.86, 0.87, 0.84]), "yes", "no", "2/3"]
+    assert rows["fall after the peak, last 5"][1:] == [interval([0.01, 0.0, 0.0]), "yes", "no", "2/3"]
+    assert rows["realism minus plain's"] == ["<= 0", interval([-0.005, 0.001, -0.001]), "yes", "no", "2/3"]
+    assert "seed 2: held-out 0.9750  diversity 0.8400  fall 0.0000  realism 0.2900 vs 0.2910 (-0.0010)" in out.stdout
+
+
+def test_a_seed_that_differs_between_inputs_or_is_missing_is_refused(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"mine|0": run([0.9, 0.95, 0.99], 0.9, 0.3),
+                                                 "plain|0": run([0.9, 0.9, 0.9], 0.9, 0.3)}))
+    (tmp_path / "b.json").write_text(json.dumps({"mine|0": run([0.9, 0.95, 0.98], 0.9, 0.3)}))
+    out = quality_goal(str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--method", "mine", "--baseline", "plain")
+    assert out.returncode != 0 and "mine seed 0 differs between the inputs" in out.stderr
+    out = quality_goal(str(tmp_path / "a.json"), "--method", "mine", "--baseline", "plain", "--seeds", "0,1")
+    assert out.returncode != 0 and "missing [1]" in out.stderr
