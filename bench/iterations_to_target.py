@@ -78,6 +78,7 @@ def main(variant: list[str] = typer.Option(..., help="name:override,override,...
     jobs = [(name, seed) for name in parsed for seed in seed_list]
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned runs
     cache = f"file://{root}/cache"
+    from spotlight.queue_worker import term_with_parent
     from spotlight.stages import pretrain
 
     from spotlight.config import load_config
@@ -85,7 +86,9 @@ def main(variant: list[str] = typer.Option(..., help="name:override,override,...
     defaults = load_config(REPO / "configs/tiny.yaml").fingerprint()  # a base run per config file version
     for seed in seed_list:  # the shared pretrained base first, so parallel runs do not race to build it
         pretrain(open_run(f"file://{root}/base-{defaults}-s{seed}", cache, seed, 1, []))
-    with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # the runs get SIGTERM when this process dies (even by kill -9): no orphan keeps writing run folders
+    with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=term_with_parent) as pool:
         futures = {job: pool.submit(curve, f"file://{root}/{job[0]}-s{job[1]}", cache, job[1], iterations,
                                     parsed[job[0]]) for job in jobs}
         results = {job: f.result() for job, f in futures.items()}

@@ -44,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 from targets import Curve, fall_after_peak, hits, reached_summary, seed_ratio, speedups, t_interval
 
+from spotlight.queue_worker import term_with_parent
 from spotlight.store import RunStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +96,8 @@ def run_mode(mode: Mode, seed: int, iterations: int, root: Path, extra: list[str
                  f"placement.explorer.workers={explorers}"]
         cmd = [str(Path(sys.executable).with_name("spotlight")), "run", "--config", str(REPO / "configs/tiny.yaml"),
                *[a for s in sets for a in ("--set", s)]]
-    subprocess.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL)
+    # the run gets SIGTERM when this process dies (even by kill -9), and stops its own workers
+    subprocess.run(cmd, check=True, env=env(), stdout=subprocess.DEVNULL, preexec_fn=term_with_parent)
     return run
 
 
