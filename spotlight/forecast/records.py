@@ -29,7 +29,6 @@ class RunRecord:
     group_size: int
     width: float | None  # mean candidates per explored prompt (None: nothing explored)
     trainer_seconds: tuple[float, ...]  # per iteration: critical path minus waits for exploration
-    explore_worker_seconds: tuple[float, ...]  # per exploration: rollout seconds summed over workers
 
     @property
     def label(self) -> str:
@@ -47,9 +46,8 @@ def read_run(label: str, seed: int, url: str) -> RunRecord:
                    for n in store.list("evaluations") if n.isdigit() and store.is_committed(f"evaluations/{n}")}
         explores = [store.load(f"iterations/{n}/explore") for n in store.list("iterations")
                     if store.is_committed(f"iterations/{n}/explore")]
-        stats = [c.json("stats.json") for c in explores if "stats.json" in c.manifest["objects"]]
-        widths = [s["candidates"] / len(c.json("explored.json")["prompts"]) for c, s in
-                  zip([c for c in explores if "stats.json" in c.manifest["objects"]], stats)]
+        widths = [c.json("stats.json")["candidates"] / len(c.json("explored.json")["prompts"]) for c in explores
+                  if "stats.json" in c.manifest["objects"]]  # an exploration that explored (mode none writes no stats)
         timeline = [store.get_json(f"timeline/{n}") for n in store.list("timeline") if n.endswith(".json")]
     except (StoreError, KeyError, ValueError, TypeError, ZeroDivisionError) as e:
         raise ForecastError(f"run store {url}: unreadable record: {e!r}") from None
@@ -58,8 +56,7 @@ def read_run(label: str, seed: int, url: str) -> RunRecord:
     width, group = fmean(widths) if widths else None, int(cfg["grpo"]["group_size"])
     curve = Curve(label, seed, tuple(sorted(rewards.items())), int(cfg["grpo"]["iterations"]), url, width, group)
     return RunRecord(curve, cfg["exploration"]["mode"], group, width,
-                     tuple(t["critical_path_seconds"] - t["explore_wait_seconds"] for t in timeline),
-                     tuple(float(s["rollout_seconds"]) for s in stats))
+                     tuple(t["critical_path_seconds"] - t["explore_wait_seconds"] for t in timeline))
 
 
 def runs_in(folder: Path, labels: tuple[str, ...] | None = None) -> list[RunRecord]:
