@@ -1,4 +1,5 @@
-"""bench/quality_goal.py: issue 17's goal judged over seeds from merged bench outputs, with intervals."""
+"""bench/quality_goal.py: issue 17's goal judged over seeds from merged bench outputs, with intervals; and
+bench/paired_difference.py: what one recipe changes against another, paired by seed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from statistics import fmean, stdev
 
 from scipy.stats import t as student_t
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "quality_goal.py"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def run(rewards: list[float], diversity: float, realism: float) -> dict[str, list[float]]:
@@ -18,9 +19,18 @@ def run(rewards: list[float], diversity: float, realism: float) -> dict[str, lis
     return {"eval_reward": rewards, "diversity_vs_base": [diversity] * n, "realism_digits": [realism] * n}
 
 
-def quality_goal(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args, "--iterations", "3"], capture_output=True,
+def bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args, "--iterations", "3"], capture_output=True,
                           text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+
+
+def quality_goal(*args: str) -> subprocess.CompletedProcess:
+    return bench("quality_goal.py", *args)
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    return {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in stdout.splitlines() if line.startswith("│")}
 
 
 def interval(values: list[float]) -> str:
@@ -38,8 +48,7 @@ def test_merges_inputs_under_aliases_and_judges_by_the_mean_and_at_95(tmp_path):
     out = quality_goal(str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--method", "mine,mine-alias",
                        "--baseline", "plain")
     assert out.returncode == 0, out.stderr
-    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
-            for line in out.stdout.splitlines() if line.startswith("│")}
+    rows = table_rows(out.stdout)
     # quantity: [goal, mean [interval], met by the mean, met at 95%, seeds that meet it]
     assert rows["held-out reward, theta_3"] == [">= 0.98", interval([0.98, 0.99, 0.975]), "yes", "no", "2/3"]
     assert rows["diversity vs base"] == [">= 0.85", interval([0.86, 0.87, 0.84]), "yes", "no", "2/3"]
@@ -56,3 +65,28 @@ def test_a_seed_that_differs_between_inputs_or_is_missing_is_refused(tmp_path):
     assert out.returncode != 0 and "mine seed 0 differs between the inputs" in out.stderr
     out = quality_goal(str(tmp_path / "a.json"), "--method", "mine", "--baseline", "plain", "--seeds", "0,1")
     assert out.returncode != 0 and "missing [1]" in out.stderr
+
+
+def test_paired_difference_is_taken_seed_by_seed_over_merged_inputs(tmp_path):
+    low = {0: run([0.9, 0.95, 0.98], 0.86, 0.27), 1: run([0.9, 0.95, 0.99], 0.84, 0.28),
+           2: run([0.9, 0.95, 0.97], 0.85, 0.30)}
+    high = {0: run([0.9, 0.95, 0.975], 0.87, 0.275), 1: run([0.9, 0.95, 0.985], 0.86, 0.27),
+            2: run([0.9, 0.95, 0.972], 0.86, 0.29)}
+    (tmp_path / "a.json").write_text(json.dumps({f"kl18|{s}": r for s, r in low.items()}))
+    (tmp_path / "b.json").write_text(json.dumps({**{f"kl21|{s}": r for s, r in high.items() if s},
+                                                 "kl21-alias|0": high[0]}))
+    out = bench("paired_difference.py", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--a", "kl18",
+                "--b", "kl21,kl21-alias")
+    assert out.returncode == 0, out.stderr
+    rows = table_rows(out.stdout)
+
+    def signed(values: list[float]) -> str:
+        half = student_t.ppf(0.975, len(values) - 1) * stdev(values) / len(values) ** 0.5
+        return f"{fmean(values):+.4f} [{fmean(values) - half:+.4f}, {fmean(values) + half:+.4f}]"
+
+    # quantity: [a's mean, b's mean, a - b paired by seed [95% interval], seeds where a > b]
+    assert rows["held-out reward"] == ["0.9800", "0.9773", signed([0.005, 0.005, -0.002]), "2/3"]
+    assert rows["diversity vs base"] == ["0.8500", "0.8633", signed([-0.01, -0.02, -0.01]), "0/3"]
+    assert rows["realism"] == ["0.2833", "0.2783", signed([-0.005, 0.01, 0.01]), "2/3"]
+    out = bench("paired_difference.py", str(tmp_path / "a.json"), "--a", "kl18", "--b", "kl21")
+    assert out.returncode != 0 and "need >= 2 seeds run with both kl18 and kl21" in out.stderr
