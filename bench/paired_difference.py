@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from quality_goal import load
+from quality_goal import paired
 from rich.console import Console
 from rich.table import Table
 from targets import t_interval
@@ -26,14 +26,7 @@ def main(inputs: list[Path] = typer.Argument(..., help="summary.json files or --
          a: str = typer.Option(..., help="the variant's names in the inputs, comma-separated (one config)"),
          b: str = typer.Option(..., help="the variant it is compared with, likewise"), iterations: int = 20,
          seeds: str = typer.Option("", help="comma-separated; default: every seed both variants have")) -> None:
-    names = {n: v.split(",")[0] for v in (a, b) for n in v.split(",")}
-    a, b = a.split(",")[0], b.split(",")[0]
-    runs = load(inputs, iterations, names)
-    have = sorted(s for (n, s) in runs if n == a and (b, s) in runs)
-    chosen = [int(s) for s in seeds.split(",")] if seeds else have
-    missing = sorted(set(chosen) - set(have))
-    if len(chosen) < 2 or missing:
-        raise typer.BadParameter(f"need >= 2 seeds run with both {a} and {b}; missing {missing}")
+    runs, a, b, chosen = paired(inputs, iterations, a, b, seeds)
     table = Table(title=f"{a} minus {b} at theta_{iterations}, paired by seed: {','.join(map(str, chosen))} "
                         f"({len(chosen)}; mean [95% t-interval])")
     for col in (f"quantity, theta_{iterations}", a, b, "difference [95% interval]", "seeds where it is > 0"):

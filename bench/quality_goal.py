@@ -63,19 +63,27 @@ def load(paths: list[Path], iterations: int, names: dict[str, str]) -> dict[tupl
     return runs
 
 
+def paired(inputs: list[Path], iterations: int, first: str, second: str, seeds: str
+           ) -> tuple[dict[tuple[str, int], dict[str, list[float]]], str, str, list[int]]:
+    """The runs of two variants (each ``name,alias,...``), their names, and the seeds to pair them on:
+    ``seeds`` (comma-separated) or, when empty, every seed both have; at least two."""
+    names = {n: v.split(",")[0] for v in (first, second) for n in v.split(",")}
+    first, second = first.split(",")[0], second.split(",")[0]
+    runs = load(inputs, iterations, names)
+    have = sorted(s for (n, s) in runs if n == first and (second, s) in runs)
+    chosen = [int(s) for s in seeds.split(",")] if seeds else have
+    missing = sorted(set(chosen) - set(have))
+    if len(chosen) < 2 or missing:
+        raise typer.BadParameter(f"need >= 2 seeds run with both {first} and {second}; missing {missing}")
+    return runs, first, second, chosen
+
+
 def main(inputs: list[Path] = typer.Argument(..., help="summary.json files or --out folders of runs"),
          method: str = typer.Option(..., help="the variant's names in the inputs, comma-separated (one config)"),
          baseline: str = typer.Option(..., help="likewise, e.g. none16kl21,none-dp2-16p"), iterations: int = 20,
          seeds: str = typer.Option("", help="comma-separated; default: every seed both variants have"),
          min_held_out: float = 0.98, min_diversity: float = 0.85, max_fall: float = 0.005) -> None:
-    names = {n: v.split(",")[0] for v in (method, baseline) for n in v.split(",")}
-    method, baseline = method.split(",")[0], baseline.split(",")[0]
-    runs = load(inputs, iterations, names)
-    have = sorted(s for (n, s) in runs if n == method and (baseline, s) in runs)
-    chosen = [int(s) for s in seeds.split(",")] if seeds else have
-    missing = sorted(set(chosen) - set(have))
-    if len(chosen) < 2 or missing:
-        raise typer.BadParameter(f"need >= 2 seeds run with both {method} and {baseline}; missing {missing}")
+    runs, method, baseline, chosen = paired(inputs, iterations, method, baseline, seeds)
     ours = [runs[(method, s)] for s in chosen]
     base = [runs[(baseline, s)] for s in chosen]
     per_seed = {
