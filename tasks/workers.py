@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -215,7 +216,9 @@ class LocalPool:
                 self._spawn(slot)
 
     def close(self, grace: bool = True) -> None:
-        """SIGTERM every worker process (each records what it finished and releases its item), then wait."""
+        """SIGTERM every worker process (each records what it finished and releases its item), then wait.
+        Their logs are removed after a flow that ended well (``grace``) with no worker failing, and kept,
+        their folder named in the log, otherwise."""
         with self._lock:
             procs = list(self.procs.values())
             for proc in procs:
@@ -226,6 +229,11 @@ class LocalPool:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            failed = [p for p in procs if p.returncode not in (0, PREEMPTED_EXIT_CODE, -signal.SIGTERM)]
+            if grace and not self.failures and not failed:
+                shutil.rmtree(self.logs, ignore_errors=True)
+            else:
+                log.warning("the local workers' logs are kept in %s", self.logs)
 
 
 # -- SkyPilot managed jobs ------------------------------------------------------------------------

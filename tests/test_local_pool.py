@@ -1,0 +1,40 @@
+"""The embedded default's worker pool (``tasks.workers.LocalPool``): what it leaves on the machine.
+
+Every ``make run`` starts one; its workers' logs go to a temporary folder, which a run that ended well
+removes (they piled up in /tmp, one folder per run), and which is kept, and named, when a worker failed
+or the flow stopped on an error, because that is when someone reads them."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotlight.config import load_config
+from tasks.workers import LocalPool
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pool_whose_worker_exited(tmp_path: Path, code: int) -> LocalPool:
+    pool = LocalPool(load_config(REPO / "configs" / "tiny.yaml", run_url=f"file://{tmp_path}/run"))
+    (pool.logs / "local-trainer-0.log").write_text("worker output\n")
+    pool.procs["local-trainer-0"] = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+    pool.procs["local-trainer-0"].wait()
+    return pool
+
+
+@pytest.mark.parametrize("code, grace, kept", [(0, True, False), (143, True, False), (1, True, True),
+                                               (0, False, True)])
+def test_the_workers_logs_are_removed_after_a_run_that_ended_well_and_kept_otherwise(tmp_path, caplog, code,
+                                                                                   grace, kept):
+    pool = pool_whose_worker_exited(tmp_path, code)
+    with caplog.at_level(logging.WARNING, logger="tasks.workers"):
+        pool.close(grace=grace)
+    assert pool.logs.exists() == kept
+    assert (f"the local workers' logs are kept in {pool.logs}" in caplog.text) == kept
+    if kept:
+        assert pool.log_tail("local-trainer-0") == "worker output"
