@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,11 @@ def pool_whose_worker_exited(tmp_path: Path, code: int) -> LocalPool:
 
 @pytest.mark.parametrize("code, grace, kept", [(0, True, False), (143, True, False), (1, True, True),
                                                (0, False, True)])
-def test_the_workers_logs_are_removed_after_a_run_that_ended_well_and_kept_otherwise(tmp_path, caplog, code,
-                                                                                   grace, kept):
+def test_the_workers_logs_are_removed_after_a_run_that_ended_well_and_kept_otherwise(tmp_path, caplog, monkeypatch,
+                                                                                   code, grace, kept):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # what is kept stays in this test's folder
     pool = pool_whose_worker_exited(tmp_path, code)
+    assert pool.logs.parent == tmp_path
     with caplog.at_level(logging.WARNING, logger="tasks.workers"):
         pool.close(grace=grace)
     assert pool.logs.exists() == kept
