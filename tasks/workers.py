@@ -42,6 +42,8 @@ from tasks.launcher import SkyLauncher, job_status, launcher_from_env, run_prefi
 CONTROLLER = "controller"  # the controller's slot and worker name in the ledger
 
 log = logging.getLogger(__name__)
+# a local worker's exit codes that are not its failure: done, preempted (it committed and left), SIGTERM'd
+NOT_A_FAILURE = (0, PREEMPTED_EXIT_CODE, -signal.SIGTERM)
 
 
 def worker_slots(cfg: Config) -> list[tuple[str, int]]:
@@ -204,7 +206,7 @@ class LocalPool:
                 code = proc.poll()
                 if code is None or pool_done(self.store) or pool_broken(self.store):
                     continue
-                if code not in (0, PREEMPTED_EXIT_CODE, -signal.SIGTERM):  # a SIGTERM is not the worker's failure
+                if code not in NOT_A_FAILURE:
                     self.failures[slot] += 1
                 if self.failures[slot] > self.cfg.placement.max_relaunches:
                     mark_pool_broken(self.store, slot, (
@@ -229,8 +231,7 @@ class LocalPool:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-            failed = [p for p in procs if p.returncode not in (0, PREEMPTED_EXIT_CODE, -signal.SIGTERM)]
-            if grace and not self.failures and not failed:
+            if grace and not self.failures and all(p.returncode in NOT_A_FAILURE for p in procs):
                 shutil.rmtree(self.logs, ignore_errors=True)
             else:
                 log.warning("the local workers' logs are kept in %s", self.logs)

@@ -33,9 +33,11 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
             for line in stdout.splitlines() if line.startswith("│")}
 
 
-def interval(values: list[float]) -> str:
+def interval(values: list[float], sign: str = "") -> str:
+    """The scripts' "mean [low, high]" (95% t-interval) of ``values``; ``sign="+"`` as a difference."""
     half = student_t.ppf(0.975, len(values) - 1) * stdev(values) / len(values) ** 0.5
-    return f"{fmean(values):.4f} [{fmean(values) - half:.4f}, {fmean(values) + half:.4f}]"
+    m = fmean(values)
+    return f"{m:{sign}.4f} [{m - half:{sign}.4f}, {m + half:{sign}.4f}]"
 
 
 def test_merges_inputs_under_aliases_and_judges_by_the_mean_and_at_95(tmp_path):
@@ -80,13 +82,9 @@ def test_paired_difference_is_taken_seed_by_seed_over_merged_inputs(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = table_rows(out.stdout)
 
-    def signed(values: list[float]) -> str:
-        half = student_t.ppf(0.975, len(values) - 1) * stdev(values) / len(values) ** 0.5
-        return f"{fmean(values):+.4f} [{fmean(values) - half:+.4f}, {fmean(values) + half:+.4f}]"
-
     # quantity: [a's mean, b's mean, a - b paired by seed [95% interval], seeds where a > b]
-    assert rows["held-out reward"] == ["0.9800", "0.9773", signed([0.005, 0.005, -0.002]), "2/3"]
-    assert rows["diversity vs base"] == ["0.8500", "0.8633", signed([-0.01, -0.02, -0.01]), "0/3"]
-    assert rows["realism"] == ["0.2833", "0.2783", signed([-0.005, 0.01, 0.01]), "2/3"]
+    assert rows["held-out reward"] == ["0.9800", "0.9773", interval([0.005, 0.005, -0.002], "+"), "2/3"]
+    assert rows["diversity vs base"] == ["0.8500", "0.8633", interval([-0.01, -0.02, -0.01], "+"), "0/3"]
+    assert rows["realism"] == ["0.2833", "0.2783", interval([-0.005, 0.01, 0.01], "+"), "2/3"]
     out = bench("paired_difference.py", str(tmp_path / "a.json"), "--a", "kl18", "--b", "kl21")
     assert out.returncode != 0 and "need >= 2 seeds run with both kl18 and kl21" in out.stderr
