@@ -46,6 +46,7 @@ from spotlight.config import Config, SequenceParallelSection, config_from_dict  
 from spotlight.models.policy import build_policy  # noqa: E402
 from spotlight.models.tiny_clip import build_tiny_clip  # noqa: E402
 from spotlight.models.tiny_pipelines import build_tiny_pipeline  # noqa: E402
+from spotlight.queue_worker import term_with_parent  # noqa: E402
 from spotlight.run import Run, open_run  # noqa: E402
 from spotlight.sequence_parallel import context  # noqa: E402
 from spotlight.sequence_parallel.member import group_prefix, seed_records  # noqa: E402
@@ -79,7 +80,7 @@ def make_run(out: Path, name: str, parts: dict, theta: dict) -> Run:
 def launch(run: Run, group: str, names: list[str], degree: int, log: Path) -> tuple[subprocess.Popen, dict[str, int]]:
     proc = subprocess.Popen([sys.executable, "-m", "spotlight.sequence_parallel.launch", "--members", ",".join(names),
                              *member_args(run, group, degree)], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=open(log, "a"), text=True)
+                            stderr=open(log, "a"), text=True, preexec_fn=term_with_parent)
     return proc, json.loads(proc.stdout.readline())["pids"]
 
 
@@ -169,7 +170,7 @@ def elastic(out: Path, parts: dict, theta: dict, repeats: int) -> list[dict]:
             spawned_at = time.time()
             cold[name] = subprocess.Popen([sys.executable, "-m", "spotlight.sequence_parallel.member", *args,
                                            "--member", name], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                                          stderr=open(out / "members.log", "a"))
+                                          stderr=open(out / "members.log", "a"), preexec_fn=term_with_parent)
             joined = wait_for("the cold process in a generation",
                               lambda: name in (g := rdv.latest()).members and g)
             cold_back = wait_for("the cold process at work", lambda: working_at(run, group, joined.number))
