@@ -81,10 +81,11 @@ def seeded_batch(n: int, item_shape: tuple[int, ...], seed: int = _PARITY_SEED) 
 
 # ---------------------------------------------------------------- runtime builders
 # A builder returns the per-bucket function; `artifact` is a cached compiled file to load
-# instead of exporting, `workdir` is where a fresh artifact is written.
+# instead of exporting, `workdir` is where a fresh artifact is written (None for the runtimes that
+# write none: eager and torch.compile, so a killed process leaves no folder behind).
 
 
-def _build_eager(ctx: _Ctx, workdir: Path, artifact: Path | None) -> BatchFn:
+def _build_eager(ctx: _Ctx, workdir: Path | None, artifact: Path | None) -> BatchFn:
     def run(x: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return ctx.model(x)
@@ -92,8 +93,8 @@ def _build_eager(ctx: _Ctx, workdir: Path, artifact: Path | None) -> BatchFn:
     return run
 
 
-def _compile_builder(mode: str) -> Callable[[_Ctx, Path, Path | None], BatchFn]:
-    def build(ctx: _Ctx, workdir: Path, artifact: Path | None) -> BatchFn:
+def _compile_builder(mode: str) -> Callable[[_Ctx, Path | None, Path | None], BatchFn]:
+    def build(ctx: _Ctx, workdir: Path | None, artifact: Path | None) -> BatchFn:
         # Every (model instance, bucket, mode) adds a dynamo cache entry on the same forward code
         # object; the default limit (8) would silently fall back to eager after two compiled modes.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -151,7 +152,7 @@ def _build_aoti(ctx: _Ctx, workdir: Path, artifact: Path | None) -> BatchFn:
     return run
 
 
-_BUILDERS: dict[str, Callable[[_Ctx, Path, Path | None], BatchFn]] = {
+_BUILDERS: dict[str, Callable[[_Ctx, Path | None, Path | None], BatchFn]] = {
     "eager": _build_eager,
     "compile": _compile_builder("default"),
     "compile-max-autotune": _compile_builder("max-autotune-no-cudagraphs"),
@@ -192,7 +193,7 @@ def unavailable_reason(runtime: str, device: str | torch.device) -> str | None:
 class Scorer:
     """Scores any batch size by padding to the next bucket and splitting beyond the largest."""
 
-    def __init__(self, fn: BatchFn, runtime: str, ctx: _Ctx, workdir: tempfile.TemporaryDirectory) -> None:
+    def __init__(self, fn: BatchFn, runtime: str, ctx: _Ctx, workdir: tempfile.TemporaryDirectory | None) -> None:
         self.runtime = runtime
         self.report: dict = {}  # filled by auto
         # Batch sizes actually fed to the runtime: always buckets, so compiled code never sees new shapes.
@@ -220,7 +221,7 @@ class Scorer:
     def artifact(self) -> Path | None:
         """The compiled file this scorer runs (.onnx / .pt2), if any."""
         suffix = _ARTIFACT_SUFFIX.get(self.runtime)
-        return next(Path(self._workdir.name).glob(f"*{suffix}"), None) if suffix else None
+        return next(Path(self._workdir.name).glob(f"*{suffix}"), None) if self._workdir else None
 
 
 def parity_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -234,14 +235,14 @@ def _build(ctx: _Ctx, runtime: str, parity: tuple[torch.Tensor, torch.Tensor], t
     reason = unavailable_reason(runtime, ctx.device)
     if reason:
         raise RuntimeRefused(f"runtime {runtime!r} is unavailable: {reason}")
-    workdir = tempfile.TemporaryDirectory(prefix=f"spotlight-{runtime}-")
+    workdir = tempfile.TemporaryDirectory(prefix=f"spotlight-{runtime}-") if runtime in _ARTIFACT_SUFFIX else None
     local = None
     if artifact is not None:
         local = Path(workdir.name) / artifact.name
         shutil.copyfile(artifact, local)
     start = time.perf_counter()
     try:
-        fn = _BUILDERS[runtime](ctx, Path(workdir.name), local)
+        fn = _BUILDERS[runtime](ctx, Path(workdir.name) if workdir else None, local)
         scorer = Scorer(fn, runtime, ctx, workdir)
         images, ref = parity
         out = scorer(images)  # also compiles the parity batch's bucket, part of the build cost

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections import Counter
 
 import fsspec
@@ -39,6 +40,19 @@ def test_runtime_matches_eager_on_a_padded_batch(model: torch.nn.Module, runtime
     assert out.shape == (5, VIT_TINY.num_classes) and out.dtype == torch.float32
     assert rr.parity_error(out, eager(model, x)) <= 1e-5
     assert scorer.bucket_calls == Counter({8: 2})  # parity batch + batch 5 padded to 8
+
+
+@pytest.mark.parametrize("runtime", ["eager", "onnxruntime"])
+def test_only_a_runtime_that_writes_an_artifact_makes_a_folder(model: torch.nn.Module, runtime: str, tmp_path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process killed mid-run cannot remove its temporary folder: the eager scorer every run uses makes none."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    scorer = rr.make_scorer(model, SHAPE, runtime=runtime, batch_size=8)
+    folders = list(tmp_path.glob(f"spotlight-{runtime}-*"))
+    if runtime == "eager":
+        assert folders == [] and scorer.artifact is None
+    else:
+        assert len(folders) == 1 and scorer.artifact.parent == folders[0] and scorer.artifact.suffix == ".onnx"
 
 
 def test_compiled_runtime_does_not_recompile_within_a_bucket(model: torch.nn.Module) -> None:
