@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers import FluxPipeline, FluxTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from spotlight.config import PipelineModelSection
@@ -43,6 +43,19 @@ def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     b, _, d = tokens.shape
     tokens = tokens.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return tokens.reshape(b, d // 4, h, w)
+
+
+def packed_sigmas(scheduler: FlowMatchEulerDiscreteScheduler, latent_shape: tuple[int, int, int],
+                  steps: int) -> torch.Tensor:
+    """``linspace(1, 1/N, N)`` with the dynamic shift of a 2x2-packed ``[C, h, w]`` latent, as FLUX's and
+    Qwen-Image's pipelines set them (``mu`` is ignored when ``sampler.shift`` turned dynamic shifting off)."""
+    config = scheduler.config
+    _, h, w = latent_shape
+    mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
+                         config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                         config.get("max_shift", 1.15))
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device="cpu", mu=mu)
+    return scheduler.sigmas.float().cpu()
 
 
 class FluxPolicy(PipelinePolicy):
@@ -96,10 +109,4 @@ class FluxPolicy(PipelinePolicy):
         return vae.decode(latents, return_dict=False)[0].float().clamp(-1, 1)
 
     def sigmas(self, steps: int) -> torch.Tensor:
-        config = self.scheduler.config
-        _, h, w = self.latent_shape
-        mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device="cpu", mu=mu)
-        return self.scheduler.sigmas.float().cpu()
+        return packed_sigmas(self.scheduler, self.latent_shape, steps)

@@ -26,14 +26,12 @@ What the pipeline does, and so what this does:
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from spotlight.config import PipelineModelSection
-from spotlight.models.flux import pack_latents, unpack_latents  # same 2x2 packing as FLUX
+from spotlight.models.flux import pack_latents, packed_sigmas, unpack_latents  # same 2x2 packing as FLUX
 from spotlight.models.pipeline_policy import FrozenParts, PipelinePolicy
 from spotlight.models.policy import PromptEmbeds
 
@@ -103,10 +101,4 @@ class QwenImagePolicy(PipelinePolicy):
         return image.float().clamp(-1, 1)
 
     def sigmas(self, steps: int) -> torch.Tensor:
-        config = self.scheduler.config
-        _, h, w = self.latent_shape
-        mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        self.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), device="cpu", mu=mu)
-        return self.scheduler.sigmas.float().cpu()
+        return packed_sigmas(self.scheduler, self.latent_shape, steps)
