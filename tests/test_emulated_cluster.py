@@ -39,7 +39,7 @@ from spotlight.pool import read_slot
 from spotlight.store import RunStore
 from tests.conftest import REPO, SMALL, cli_env, spotlight_cmd
 from tests.emulated_cluster import EmulationError, capacity_schedule, load_spec, read_events
-from tests.test_s3_store import Moto
+from tests.moto_s3 import moto_s3
 
 BUCKET = "spotlight-emulated"
 TRACES = REPO / "sky" / "traces" / "aws-v100-1node-2023-04-22"
@@ -64,21 +64,8 @@ CONTROLLER = {"cluster": "spotlight-ctl", "region": "us-east-1", "instance_type"
 
 @pytest.fixture(scope="module")
 def moto():
-    env = {"AWS_ACCESS_KEY_ID": "AKIAEMULATEDCLUSTER", "AWS_SECRET_ACCESS_KEY": "emulated+cluster+secret0123456789",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    server = Moto()
-    env["AWS_ENDPOINT_URL"] = server.endpoint
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    server.start()
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with moto_s3("AKIAEMULATEDCLUSTER", "emulated+cluster+secret0123456789", BUCKET) as server:
+        yield server
 
 
 def _spec(tmp: Path, **changes) -> Path:

@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+import boto3
 import pytest
 
 os.environ.setdefault("SKYPILOT_DISABLE_USAGE_COLLECTION", "1")
@@ -33,6 +34,7 @@ from tasks.launcher import (LocalLauncher, SkyJobs, SkyLauncher, check_api_serve
                             job_name, launcher_from_env, parse_resources, run_prefix, sky_jobs_from_env)
 from tasks.sky_task import placement_resources  # noqa: E402
 from tasks.workers import SkyPool  # noqa: E402
+from tests.moto_s3 import moto_s3  # noqa: E402
 from tests.sky_records import resources_strings  # noqa: E402
 
 SECRET = "fakeSECRETkey/for+launcher+tests0123456789"
@@ -420,21 +422,10 @@ def test_session_tokens_are_passed_and_their_expiry_is_checked(caplog):
 
 
 @pytest.fixture
-def bucket(monkeypatch):
+def bucket():
     """A moto S3 server, reached the way the controller reaches a bucket: by env (the standard chain)."""
-    from tests.test_s3_store import Moto
-
-    server = Moto()
-    for key, value in {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "AKIAMOUNTS",
-                       "AWS_SECRET_ACCESS_KEY": "mounts-secret", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    server.start()
-    import boto3
-
-    s3 = boto3.client("s3")
-    s3.create_bucket(Bucket="weights")
-    yield s3
-    server.stop()
+    with moto_s3("AKIAMOUNTS", "mounts-secret", "weights"):
+        yield boto3.client("s3")
 
 
 def test_the_controller_checks_mounted_inputs_in_their_buckets_and_a_worker_at_its_paths(bucket, tmp_path):

@@ -41,7 +41,7 @@ from tasks.artifacts import artifact_key, cost_so_far
 from tasks.launcher import run_prefix
 from tests.conftest import SMALL
 from tests.jobs_api import JobsApi, jobs_api, status
-from tests.test_s3_store import Moto
+from tests.moto_s3 import Moto
 
 REPO = Path(__file__).resolve().parents[1]
 UI_OUT = REPO / "out" / "prefect-ui"  # screenshots and DOM dumps of the UI check (git-ignored)

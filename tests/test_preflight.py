@@ -22,7 +22,7 @@ from moto.server import ThreadedMotoServer
 
 from spotlight.store import UnreachableStoreError, preflight
 from tests.conftest import cli_env, spotlight_cmd
-from tests.test_s3_store import _free_port
+from tests.moto_s3 import free_port
 
 BUCKET = "spotlight-preflight"
 FAKE_SECRET = "PLANTEDpreflight+secret/zz9"  # a rejected secret must not be printed either
@@ -42,7 +42,7 @@ class Users:
 def authed() -> Users:
     """A moto server with a bucket and IAM users (admin, writer: s3:*; reader: get/list only), then auth on."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
@@ -76,7 +76,7 @@ def _env(tmp: Path, endpoint: str, credentials: tuple[str, str] | None) -> dict[
 
 
 def test_each_bad_store_is_one_line_and_exit_2(authed: Users, tmp_path: Path):
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     url = f"s3://{BUCKET}/runs/preflight"
     cases = {  # name: (run URL, endpoint, credentials, what the line must say)
         "missing bucket": ("s3://no-such-bucket-1a/run", authed.endpoint, authed.users["writer"],

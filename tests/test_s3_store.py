@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,12 +22,12 @@ from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from spotlight import cost
 from spotlight.store import MANIFEST, AlreadyExistsError, RequestCounts, RunStore, is_transient, request_counts
 from spotlight.work_queue import LeaseLostError, WorkQueue
 from tests.interleave import assert_one_winner, interleavings, race, writers_objects
+from tests.moto_s3 import free_port, moto_s3
 
 REPO = Path(__file__).resolve().parents[1]
 SPOTLIGHT = str(Path(sys.executable).with_name("spotlight"))
@@ -40,50 +39,10 @@ SMALL = ["pretrain.steps=60", "pretrain.commit_every=20", "pretrain.classifier_s
          "exploration.mode=none"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Moto:
-    """A moto S3 server that can be stopped and started on the same port; moto keeps its objects
-    in process-global backends, so a restart is an outage, not a data loss (checked below)."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.server: ThreadedMotoServer | None = None
-
-    def start(self) -> None:
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-
-    def stop(self) -> None:
-        assert self.server is not None
-        self.server.stop()
-        self.server = None
-
-
 @pytest.fixture(scope="module")
 def moto():
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    env = {"AWS_ENDPOINT_URL": None, "AWS_ACCESS_KEY_ID": "AKIAFAKEFAKEFAKE", "AWS_SECRET_ACCESS_KEY": PLANTED_SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    server = Moto()
-    env["AWS_ENDPOINT_URL"] = server.endpoint
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    server.start()
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    yield server
-    if server.server is not None:
-        server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with moto_s3("AKIAFAKEFAKEFAKE", PLANTED_SECRET, BUCKET) as server:
+        yield server
 
 
 def test_create_only_and_fresh_listings_on_s3(moto):
@@ -229,7 +188,7 @@ def test_request_counts_are_what_botocore_sent(moto):
     assert child.requests() == store.requests() == request_counts()
     assert sent.cost_usd() == pytest.approx(6 * 0.005 / 1000 + 8 * 0.0004 / 1000)
 
-    closed = f"http://127.0.0.1:{_free_port()}"  # every attempt refused: with_retries 2 x botocore's 2
+    closed = f"http://127.0.0.1:{free_port()}"  # every attempt refused: with_retries 2 x botocore's 2
     before = request_counts()
     with pytest.raises(Exception, match="Could not connect"):
         RunStore(f"s3://{BUCKET}/unit/requests", {"endpoint_url": closed}, retry_delays=(0.05,)).write_bytes("b", b"1")

@@ -22,6 +22,7 @@ from spotlight.pool import S3_POLL
 from spotlight.store import RequestCounts, RunStore, counting_requests, request_counts
 from spotlight.work_queue import Claim, LeaseLostError, QueueError, WorkQueue
 from spotlight.queue_worker import run_worker
+from tests.moto_s3 import moto_s3
 
 HANDLER = Path(__file__).with_name("queue_handler.py")
 REPO = HANDLER.parents[1]
@@ -38,18 +39,8 @@ class FakeClock:
 @pytest.fixture(scope="module")
 def moto_endpoint():
     """A local S3 (moto) that this process and worker subprocesses reach the way a worker does: by env."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "fake-key",
-                           "AWS_SECRET_ACCESS_KEY": "fake-secret", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-            mp.setenv(key, value)
-        yield endpoint
-    server.stop()
+    with moto_s3("fake-key", "fake-secret") as server:
+        yield server.endpoint
 
 
 def make_store(kind: str, tmp_path: Path, moto_endpoint: str | None) -> RunStore:
