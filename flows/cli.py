@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from spotlight.cli import ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
+from spotlight.cli import RUNS, ConfigOpt, RunUrlOpt, SetOpt, app, main, print_summary
 from spotlight.console import console
 from spotlight.config import load_config
 from spotlight.mounts import check_mounted_inputs
@@ -19,7 +19,7 @@ from spotlight.store import RunStore, preflight
 BUDGET_CAPPED_EXIT = 3  # `spotlight run` stopped at placement.max_dollars (2: bad input, 1: an error)
 
 
-@app.command()
+@app.command(rich_help_panel=RUNS)
 def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
     """Run (or resume) post-training as a Prefect flow: pretrain, then explore -> filter -> update."""
     cfg = load_config(config, overrides, run_url)  # bad input fails here, before Prefect or any compute
@@ -43,7 +43,7 @@ def run(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Option
     print_summary(Summary(**state.result()))
 
 
-@app.command()
+@app.command(rich_help_panel=RUNS)
 def plan(run_url: Optional[str] = typer.Option(
         None, "--run", help="take busy hours per iteration from this run's cost ledger"),
          config: Optional[Path] = typer.Option(None, "--config", "-c", help="plan this config: the GPU memory each "
@@ -52,8 +52,10 @@ def plan(run_url: Optional[str] = typer.Option(
          overrides: list[str] = SetOpt,
          prices: bool = typer.Option(True, "--prices/--no-prices", help="also price the placement with SkyPilot's "
                                      "optimizer")) -> None:
-    """GPU memory per worker kind (weights, training state, activations; no weights needed), the accelerators that
-    cannot hold it dropped, then the cheapest spot vs on-demand offer per kind and $ per iteration."""
+    """Before renting: GPU memory per worker kind, and the cheapest spot vs on-demand offer per kind.
+
+    Memory with its parts (weights, training state, activations; no weights needed), the accelerators that
+    cannot hold a worker dropped, then SkyPilot's prices per kind and $ per iteration."""
     from tasks.placement import format_plan, plan as make_plan
 
     cfg = load_config(config, overrides) if config is not None or overrides else None
@@ -68,5 +70,8 @@ def plan(run_url: Optional[str] = typer.Option(
     if prices:
         typer.echo(format_plan(make_plan(run_url, config=cfg)))
 
+
+HELP_ORDER = ["run", "plan", "simulate", "report", "export", "worker", "stage", "tiny-model"]  # a user's order
+app.registered_commands.sort(key=lambda command: HELP_ORDER.index(command.name or command.callback.__name__))
 
 __all__ = ["app", "main", "typer"]

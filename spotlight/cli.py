@@ -22,7 +22,11 @@ from spotlight.run import open_run
 from spotlight.stages import STAGES, pretrain
 from spotlight.store import StoreError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+USAGE = ("Flow-GRPO post-training of diffusion transformers, made cheaper by seed exploration on spot GPUs.\n\n"
+         "Start with `spotlight run` (the tiny default on CPU) or, before renting a GPU for a real model, "
+         "`spotlight plan --config C`.")
+RUNS, INSIDE = "Runs", "Inside a run (workers, one stage, test models)"
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=USAGE)
 
 ConfigOpt = typer.Option(Path("configs/tiny.yaml"), "--config", "-c", help="run config (YAML)")
 SetOpt = typer.Option([], "--set", "-s", help="override a setting: section.key=value (repeatable)")
@@ -71,7 +75,7 @@ def print_summary(summary: Summary) -> None:
     out.print(f"samples (before | after): {summary.samples}", soft_wrap=True)
 
 
-@app.command()
+@app.command(rich_help_panel=INSIDE)
 def stage(name: str = typer.Argument(..., help=f"pretrain, {', '.join(STAGES)}"),
           iteration: int = typer.Option(0, "--iteration", "-t"),
           config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt) -> None:
@@ -86,7 +90,7 @@ def stage(name: str = typer.Argument(..., help=f"pretrain, {', '.join(STAGES)}")
     console.print(f"committed {where}", soft_wrap=True, highlight=False)
 
 
-@app.command()
+@app.command(rich_help_panel=RUNS)
 def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Optional[str] = RunUrlOpt,
            target: Optional[float] = typer.Option(
                None, "--target", help="held-out reward to price (cost and time to it); default evaluation.target")) -> None:
@@ -94,7 +98,7 @@ def report(config: Path = ConfigOpt, overrides: list[str] = SetOpt, run_url: Opt
     print_summary(write_report(open_run(load_config(config, overrides, run_url)), target))
 
 
-@app.command()
+@app.command(rich_help_panel=RUNS)
 def export(run_url: str = typer.Option(..., "--run", help="the run's store URL (file://... or s3://...)"),
            iteration: int = typer.Option(..., "--iteration", "-t", help="export theta_N (after N updates)"),
            out: Path = typer.Option(..., "--out", help="folder to write (created)")) -> None:
@@ -106,7 +110,7 @@ def export(run_url: str = typer.Option(..., "--run", help="the run's store URL (
         console.print(f"wrote {path}", soft_wrap=True, highlight=False)
 
 
-@app.command("tiny-model")
+@app.command("tiny-model", rich_help_panel=INSIDE)
 def tiny_model(kind: str = typer.Argument(..., help="sd3 | flux | flux-schnell | qwen-image | clip | aesthetic-head"),
                out: Path = typer.Argument(..., help="folder (or .pth file for aesthetic-head) to write")) -> None:
     """Build a tiny random-weight model offline (to try the real-model path on a CPU, as the tests do)."""
@@ -122,7 +126,7 @@ def tiny_model(kind: str = typer.Argument(..., help="sd3 | flux | flux-schnell |
     console.print(f"wrote {builders[kind]()}", soft_wrap=True, highlight=False)
 
 
-@app.command()
+@app.command(rich_help_panel=INSIDE)
 def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (file://... or s3://...)"),
            kind: str = typer.Option("explorer", "--kind", envvar="SPOTLIGHT_WORKER_KIND",
                                     help="explorer (exploration items) or trainer (pretrain, update, evaluate, "
@@ -136,6 +140,7 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
                None, "--poll-seconds", help="how often to look for new work; default 0.02 s on a local store, "
                                             "0.5 s on S3 (or SPOTLIGHT_POLL_SECONDS)")) -> None:
     """Work on a run as a long-lived worker: pull its work items until the run is done (SIGTERM-safe).
+
     Exits 0 when the run's flow is over (or it idled out), 143 when SIGTERM (a preemption) stopped it first."""
     # SIGTERM while booting (imports, loading the model): nothing is held yet; leave as a preempted worker,
     # never killed by the signal (SkyPilot would read -15, which recover_on_exit_codes does not list)
@@ -165,7 +170,7 @@ def worker(run_url: str = typer.Option(..., "--run", help="the run's store URL (
     os._exit(exit_code(run_url, stats["stopped"]))
 
 
-@app.command()
+@app.command(rich_help_panel=RUNS)
 def simulate(
         target: float = typer.Option(..., "--target", help="held-out reward to reach"),
         curves: Path = typer.Option(..., "--curves", help="a bench/time_to_target.py --out folder: run stores "
@@ -193,8 +198,9 @@ def simulate(
         zones: Optional[str] = typer.Option(None, "--zones", help="comma-separated zones of that folder; default: all"),
         offsets: int = typer.Option(32, "--offsets", help="evenly spaced trace start offsets per zone"),
         plot: Path = typer.Option(Path("out/simulate.png"), "--plot", help="where to write the PNG")) -> None:
-    """Forecast hours and $ to a held-out reward target at a config's placement, on real spot traces:
-    on-demand sync, all-spot sync, sync exploration and Spotlight (and, with --widths, the cheapest width)."""
+    """Forecast hours and $ to a held-out reward target at a config's placement, on real spot traces.
+
+    The schedules: on-demand sync, all-spot sync, sync exploration and Spotlight (and, with --widths, the cheapest width)."""
     from statistics import fmean
 
     from spotlight.forecast import boot, curves as fcurves, estimate, records, report, requests, traces as ftraces, widths as fw

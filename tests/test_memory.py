@@ -134,6 +134,19 @@ def test_live_bytes_on_fake_tensors_count_what_the_cpu_allocator_records(checkpo
     assert measured > 1e6 and abs(tracker.peak - measured) / measured < 0.01, (tracker.peak, measured)
 
 
+def test_the_cli_help_says_what_spotlight_is_and_lists_run_and_plan_first():
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "Flow-GRPO post-training of diffusion transformers" in result.output
+    assert "Library commands" not in result.output  # the module's note to developers stays in the code
+    listed = [line.split()[1] for line in result.output.splitlines()
+              if line.startswith("│ ") and len(line.split()) > 2 and not line.split()[1].startswith("-")]
+    assert listed[:2] == ["run", "plan"] and set(listed) == {"run", "plan", "simulate", "report", "export", "worker",
+                                                              "stage", "tiny-model"}, listed
+
+
 def test_plan_prints_every_worker_with_its_parts_without_weights(flux_plan):
     config = REPO / "configs" / CONFIGS["flux"]
     assert not Path(load_config(config).model.pretrained).exists(), "no weights on disk"
