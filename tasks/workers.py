@@ -220,7 +220,7 @@ class LocalPool:
     def close(self, grace: bool = True) -> None:
         """SIGTERM every worker process (each records what it finished and releases its item), then wait.
         Their logs are removed after a flow that ended well (``grace``) with no worker failing, and kept,
-        their folder named in the log, otherwise."""
+        their folder named in the log, otherwise, unless they are all empty (nothing to read)."""
         with self._lock:
             procs = list(self.procs.values())
             for proc in procs:
@@ -231,10 +231,11 @@ class LocalPool:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-            if grace and not self.failures and all(p.returncode in NOT_A_FAILURE for p in procs):
-                shutil.rmtree(self.logs, ignore_errors=True)
-            else:
+            ended_well = grace and not self.failures and all(p.returncode in NOT_A_FAILURE for p in procs)
+            if not ended_well and any(log_file.stat().st_size for log_file in self.logs.glob("*.log")):
                 log.warning("the local workers' logs are kept in %s", self.logs)
+            else:
+                shutil.rmtree(self.logs, ignore_errors=True)
 
 
 # -- SkyPilot managed jobs ------------------------------------------------------------------------
