@@ -19,6 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import diffusers
@@ -403,3 +405,16 @@ def test_bf16_weights_with_gradient_checkpointing(kind, folders):
     plain, checkpointed = grads(False), grads(True)
     assert all(g is not None and g.abs().sum() > 0 for g in plain)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+@pytest.mark.parametrize("import_spotlight", [False, True])
+def test_spotlight_silences_transformers_torchvision_notice_and_no_other_warning(import_spotlight):
+    """Importing a diffusers pipeline without torchvision makes transformers warn that it falls back to the PIL
+    image processors; spotlight (which loads those itself) drops exactly that notice, on every command."""
+    code = ("import spotlight\n" if import_spotlight else "") + (
+        "import diffusers.pipelines.flux.pipeline_flux\n"
+        "from transformers.utils import logging\n"
+        "logging.get_logger('transformers.utils.import_utils').warning('another notice')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert ("requires torchvision (not installed); falling back to" in result.stderr) != import_spotlight
+    assert "another notice" in result.stderr
