@@ -7,7 +7,8 @@ placement's resources and mounts), and everything below it is a real process of 
 ``file_mounts`` copied from the (moto) S3 buckets to their paths, its ``setup:`` script (with ``pip`` a
 no-op: this machine has the project installed), then its ``run:`` script, with the environment SkyPilot
 gives a managed job (the task's envs and secrets, ``SKYPILOT_TASK_ID`` stable across recoveries,
-``SKYPILOT_CLUSTER_INFO``, the node variables).
+``SKYPILOT_CLUSTER_INFO``, the node variables). Each emulated VM has its own ``/tmp`` (``TMPDIR``, under
+the logdir), which its setup and run share and a recovered VM does not inherit.
 
 Job states follow ``sky/jobs/controller.py`` (``_monitor_one_task_impl``), with SkyPilot's own
 ``ManagedJobStatus`` and its own recovery decision (``StrategyExecutor.should_restart_on_failure``,
@@ -278,7 +279,7 @@ class _Job:
     def _start(self, segment: Segment) -> bool:
         """Mount, set up and run the task on the segment's VM; whether setup succeeded."""
         self._mount()
-        env = self._env(segment)
+        env = {**self._env(segment), "TMPDIR": tempfile.mkdtemp(dir=self.cluster.vm_tmp, prefix=f"{self.name}-")}
         with open(self.log, "ab") as out:
             setup = subprocess.run(["bash", "-c", self.task.setup or "true"], cwd=self.task.workdir, env=env,
                                    stdout=out, stderr=subprocess.STDOUT)
@@ -401,6 +402,8 @@ class EmulatedSkyJobs(SkyJobs):
         seed_catalog(Path.home())  # SkyPilot formats records from its catalog: the shipped snapshot, offline
         self.shims = logdir / "shims"  # setup's `pip install`: the project is installed on this machine
         self.shims.mkdir(exist_ok=True)
+        self.vm_tmp = logdir / "vm-tmp"  # each emulated VM's /tmp (TMPDIR), so that nothing lands in this machine's
+        self.vm_tmp.mkdir(exist_ok=True)
         (self.shims / "pip").write_text("#!/bin/sh\necho \"emulated cluster: pip $*: already installed\"\n")
         (self.shims / "pip").chmod(0o755)
         self.jobs: list[_Job] = []
