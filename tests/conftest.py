@@ -49,8 +49,10 @@ def prefect_api(tmp_path_factory) -> Iterator[None]:
 
 def cli_env(tmp: Path, ephemeral: bool = False) -> dict[str, str]:
     """A subprocess environment: one thread (deterministic, no oversubscription), a private Prefect home, and
-    the session's Prefect server (``ephemeral``: Prefect's own temporary server, started by the run itself)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    the session's Prefect server (``ephemeral``: Prefect's own temporary server, started by the run itself), and
+    a temporary folder under ``tmp``, so that what a process killed with -9 cannot clean up stays in the test's."""
+    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(tmp / "tmp"),
                PREFECT_HOME=str(tmp / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_LOGGING_LEVEL="WARNING", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
     env.pop("PREFECT_API_URL", None)

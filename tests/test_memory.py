@@ -207,7 +207,7 @@ def test_a_trainer_process_holds_one_transformer(tiny, tmp_path):
             f"run.url=file://{tmp_path}/run", f"run.cache_url=file://{tmp_path}/cache", "grpo.kl_beta=0.01"]
     out = tmp_path / "residency.json"
     result = subprocess.run([sys.executable, "-m", "tests.trainer_residency", str(out), *sets], capture_output=True,
-                            text=True, env=cli_env(REPO), cwd=REPO, timeout=600)
+                            text=True, env=cli_env(tmp_path), cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads(out.read_text())
     trainer = plan_memory(load_config(REPO / "configs" / "sd35m-pickscore.yaml", sets), ema=False).workers["trainer"]
