@@ -71,8 +71,9 @@ def prefect_server(home: Path, timeout: float = 120, api_only: bool = False) -> 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    (home / "tmp").mkdir(exist_ok=True)  # what the flow runs it starts leave (workers' logs) stays under home
     env.update(
-        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=str(home / "tmp"),
         PREFECT_HOME=str(home),
         PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         PREFECT_API_URL=f"{url}/api",
