@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -11,11 +10,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.prefect_server import free_port
 
 
 class Moto:

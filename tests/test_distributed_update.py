@@ -8,7 +8,6 @@ order and batch composition, committed once."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +19,9 @@ from spotlight import stage_queue
 from spotlight.pool import mark_pool_done
 from spotlight.store import RunStore
 from tests.conftest import REPO, SMALL, cli_env, run_cli, spotlight_cmd
+from tests.prefect_server import free_port
 
 TASK_ID = "sky-managed-2026-12-04-10-00-00-000000_spotlight-ddp-trainer-0000_7-0"  # the same on every node
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node_env(tmp_path: Path, run_url: str, rank: int, port: int) -> dict[str, str]:
@@ -52,7 +46,7 @@ def test_two_node_trainer_from_its_yaml_is_one_world_and_matches_single_process(
     store = RunStore(f"file://{double}")
     request = stage_queue.post(store, "update", 0, lease_seconds=60)
     run_script = yaml.safe_load((REPO / "sky" / "trainer.yaml").read_text())["run"]
-    port = _free_port()
+    port = free_port()
     nodes = [subprocess.Popen(["bash", "-c", run_script], cwd=REPO, env=_node_env(tmp_path, store.url, rank, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
 

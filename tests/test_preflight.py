@@ -22,7 +22,7 @@ from moto.server import ThreadedMotoServer
 
 from spotlight.store import UnreachableStoreError, preflight
 from tests.conftest import cli_env, spotlight_cmd
-from tests.moto_s3 import free_port
+from tests.prefect_server import free_port
 
 BUCKET = "spotlight-preflight"
 FAKE_SECRET = "PLANTEDpreflight+secret/zz9"  # a rejected secret must not be printed either

@@ -27,7 +27,8 @@ from spotlight import cost
 from spotlight.store import MANIFEST, AlreadyExistsError, RequestCounts, RunStore, is_transient, request_counts
 from spotlight.work_queue import LeaseLostError, WorkQueue
 from tests.interleave import assert_one_winner, interleavings, race, writers_objects
-from tests.moto_s3 import free_port, moto_s3
+from tests.moto_s3 import moto_s3
+from tests.prefect_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SPOTLIGHT = str(Path(sys.executable).with_name("spotlight"))
