@@ -4,6 +4,11 @@ A prompt set is the bundled digit classes (``digits``), one text file (one promp
 JSONL file (one object with a ``prompt`` field per line, or one JSON string), or a folder in
 flow_grpo's layout (``train.txt``/``test.txt`` or ``train_metadata.jsonl``/``test_metadata.jsonl``).
 A missing or empty set is a :class:`PromptError` naming the file, raised before any compute.
+
+A JSONL object is also its prompt's metadata, as in flow_grpo, whose GenEval reward scores an image
+against its line's ``tag`` and ``include`` objects: HTTP rewards receive it beside the prompt
+(:func:`prompt_metadata`, ``spotlight.remote_reward``). Runs name prompts by their text, so a prompt
+that appears twice must carry the same object both times.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -40,9 +45,10 @@ def prompt_file(spec: str, split: Split) -> Path:
 
 
 @lru_cache(maxsize=8)
-def read_prompts(path: Path) -> tuple[str, ...]:
-    """Prompts of one file, in file order; blank lines are skipped."""
-    prompts = []
+def read_lines(path: Path) -> tuple[tuple[int, str, str | None], ...]:
+    """(line number, prompt, its JSONL object as JSON text or None) per prompt, in file order; blank lines
+    are skipped. The objects stay text so that the cached value cannot be changed by a caller."""
+    lines = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -51,30 +57,57 @@ def read_prompts(path: Path) -> tuple[str, ...]:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PromptError(f"{path}:{number}: not JSON ({e.msg})") from None
-            value = value.get("prompt") if isinstance(value, dict) else value
-            if not isinstance(value, str) or not value.strip():
+            prompt = value.get("prompt") if isinstance(value, dict) else value
+            if not isinstance(prompt, str) or not prompt.strip():
                 raise PromptError(f"{path}:{number}: expected a JSON string or an object with a \"prompt\" string")
-            prompts.append(value.strip())
+            lines.append((number, prompt.strip(), json.dumps(value) if isinstance(value, dict) else None))
         else:
-            prompts.append(line.strip())
-    if not prompts:
+            lines.append((number, line.strip(), None))
+    if not lines:
         raise PromptError(f"prompt file {path} is empty")
-    return tuple(prompts)
+    return tuple(lines)
+
+
+def read_prompts(path: Path) -> tuple[str, ...]:
+    """Prompts of one file, in file order."""
+    return tuple(prompt for _, prompt, _ in read_lines(path))
+
+
+def split_file(cfg: Config, split: Split) -> Path | None:
+    """The file holding a split of the run's prompts (None: the bundled digits). Held-out prompts are
+    ``data.eval_prompts`` when set, else the prompt set's test split."""
+    if split == "test" and cfg.data.eval_prompts is not None:
+        return prompt_file(cfg.data.eval_prompts, "test")
+    return None if cfg.data.prompts == "digits" else prompt_file(cfg.data.prompts, split)
 
 
 def train_prompts(cfg: Config) -> tuple[str, ...]:
-    return DIGIT_PROMPTS if cfg.data.prompts == "digits" else read_prompts(prompt_file(cfg.data.prompts, "train"))
+    path = split_file(cfg, "train")
+    return DIGIT_PROMPTS if path is None else read_prompts(path)
 
 
 def heldout_prompts(cfg: Config) -> tuple[str, ...]:
-    """Held-out prompts: ``data.eval_prompts``, else the set's test split (digits: the digit prompts)."""
-    if cfg.data.eval_prompts is not None:
-        prompts = read_prompts(prompt_file(cfg.data.eval_prompts, "test"))
-    elif cfg.data.prompts == "digits":
-        prompts = DIGIT_PROMPTS
-    else:
-        prompts = read_prompts(prompt_file(cfg.data.prompts, "test"))
-    return prompts[: cfg.evaluation.prompts]
+    """The first ``evaluation.prompts`` of the held-out split (digits: the digit prompts)."""
+    path = split_file(cfg, "test")
+    return (DIGIT_PROMPTS if path is None else read_prompts(path))[: cfg.evaluation.prompts]
+
+
+def prompt_metadata(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Each prompt's JSONL object, over the train and held-out files (empty for text files and digits).
+    A prompt given two different objects is a PromptError naming both lines."""
+    metadata: dict[str, dict[str, Any]] = {}
+    where: dict[str, str] = {}
+    for path in dict.fromkeys(p for p in (split_file(cfg, "train"), split_file(cfg, "test")) if p is not None):
+        for number, prompt, text in read_lines(path):
+            if text is None:
+                continue
+            value = json.loads(text)
+            if prompt in metadata and metadata[prompt] != value:
+                raise PromptError(f"{path}:{number}: prompt {prompt!r} has other metadata than at {where[prompt]}; "
+                                  "a reward receives metadata by prompt, so a prompt needs the same object each time")
+            metadata.setdefault(prompt, value)
+            where.setdefault(prompt, f"{path}:{number}")
+    return metadata
 
 
 def iteration_prompts(cfg: Config, t: int) -> list[str]:
@@ -101,6 +134,8 @@ def evaluation_prompts(cfg: Config) -> tuple[list[str], list[int]]:
 
 
 def check_prompts(cfg: Config) -> None:
-    """Fail early (PromptError naming the file) if the train or held-out prompts cannot be read."""
+    """Fail early (PromptError naming the file) if the train or held-out prompts, or their metadata,
+    cannot be read."""
     train_prompts(cfg)
     heldout_prompts(cfg)
+    prompt_metadata(cfg)

@@ -6,14 +6,18 @@ Protocol (one request per batch of at most ``batch_size`` images, in order)::
     Content-Type: application/json
     Authorization: Bearer <token>          # only when ``token_env`` is set
 
-    {"prompts": ["a cat", ...], "images": ["<base64 PNG>", ...]}
+    {"prompts": ["a cat", ...], "images": ["<base64 PNG>", ...],
+     "metadata": [{"prompt": "a cat", "tag": "single_object", ...}, ...]}   # only when the prompts have it
 
     200 OK
     {"scores": [0.73, ...]}                # one finite number per image, in the order sent
 
 Images are 8-bit PNGs (RGB, or greyscale for one-channel policies) at the policy's resolution: the
-image a user would save. Any other status is a failure: the server's message (the JSON ``error``,
-``detail`` or ``message`` field, else the body's text) is reported with the URL and the status.
+image a user would save. ``metadata`` is sent when the run's prompts come from JSONL objects: each
+image's prompt's object (null for a prompt without one), as flow_grpo hands its GenEval reward the
+``tag`` and ``include`` fields of the prompt's line. Any other status than 200 is a failure: the
+server's message (the JSON ``error``, ``detail`` or ``message`` field, else the body's text) is
+reported with the URL and the status.
 Connection errors, timeouts, 5xx and 429 (rate limited) are retried ``retries`` times with
 exponential backoff; other 4xx are the request's fault and fail at once. A 200 whose body is not
 ``{"scores": [...]}`` with one finite number per image is a server bug and fails at once.
@@ -46,7 +50,7 @@ import logging
 import math
 import os
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import httpx
 import numpy as np
@@ -97,11 +101,14 @@ def _retryable(status: int) -> bool:
 
 
 class RemoteReward:
-    """Scores images by POSTing them to ``section.url`` (protocol in the module docstring)."""
+    """Scores images by POSTing them to ``section.url`` (protocol in the module docstring); ``metadata``
+    maps a prompt to the object sent with its images (``spotlight.prompts.prompt_metadata``)."""
 
-    def __init__(self, name: str, section: RemoteRewardSection, backoff_seconds: float = 0.5):
+    def __init__(self, name: str, section: RemoteRewardSection, backoff_seconds: float = 0.5,
+                 metadata: Mapping[str, Any] | None = None):
         check_remote(name, section)
         self.name, self.section, self.backoff_seconds = name, section, backoff_seconds
+        self.metadata = metadata or {}
         self._token = os.environ[section.token_env] if section.token_env else None
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         self._client = httpx.Client(timeout=section.timeout_seconds, headers=headers)
@@ -124,9 +131,12 @@ class RemoteReward:
         scores: list[float] = []
         size = self.section.batch_size
         for start in range(0, len(prompts), size):
-            batch = images[start:start + size]
-            scores += self._score({"prompts": list(prompts[start:start + size]),
-                                   "images": [png_base64(image) for image in batch]})
+            batch = list(prompts[start:start + size])
+            payload: dict[str, Any] = {"prompts": batch,
+                                       "images": [png_base64(image) for image in images[start:start + size]]}
+            if self.metadata:
+                payload["metadata"] = [self.metadata.get(prompt) for prompt in batch]
+            scores += self._score(payload)
         return torch.tensor(scores, dtype=torch.float32)
 
     def _score(self, payload: dict) -> list[float]:

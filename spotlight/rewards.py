@@ -158,7 +158,8 @@ def check_rewards(cfg: Config) -> None:
 def build_reward(ctx: RewardContext, name: str) -> Reward:
     """One named reward (a registry entry, or an HTTP reward of ``rewards.remote``)."""
     if name in ctx.cfg.rewards.remote:
+        from spotlight.prompts import prompt_metadata
         from spotlight.remote_reward import RemoteReward
 
-        return RemoteReward(name, ctx.cfg.rewards.remote[name])
+        return RemoteReward(name, ctx.cfg.rewards.remote[name], metadata=prompt_metadata(ctx.cfg))
     return resolve(REWARDS[name].factory)(ctx, name)

@@ -141,6 +141,8 @@ def test_real_model_config_without_weights_fails_at_once(tmp_path: Path):
     (["data.prompts={tmp}/nowhere.txt"], "prompt file {tmp}/nowhere.txt does not exist"),
     (["data.prompts={tmp}/empty.txt"], "prompt file {tmp}/empty.txt is empty"),
     (["data.prompts={tmp}/bad.jsonl"], "{tmp}/bad.jsonl:2: not JSON"),
+    (["data.prompts={tmp}/twice.jsonl"], "{tmp}/twice.jsonl:3: prompt 'a red cat' has other metadata than at "
+                                         "{tmp}/twice.jsonl:1"),
     (["rewards.train={{nope: 1.0}}"], "unknown reward 'nope'"),
     (["rewards.train={{pickscore: lots}}"], "rewards.train.pickscore: Input should be a valid number"),
     (["model.lora.target_modules=[to_q, attn.nope]"],
@@ -154,6 +156,8 @@ def test_real_model_inputs_are_checked_before_compute(tmp_path: Path, tiny_sd3, 
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "prompts.txt").write_text("a red cat\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a red cat"}\n{"prompt": \n')
+    (tmp_path / "twice.jsonl").write_text('{"prompt": "a red cat", "tag": "colors"}\n"a dog"\n'
+                                          '{"prompt": "a red cat", "tag": "counting"}\n')
     base = [f"model.pretrained={tiny_sd3}", f"data.prompts={tmp_path}/prompts.txt", f"run.url=file://{tmp_path}/run"]
     with pytest.raises(ConfigError) as err:
         check_inputs(load_config(REPO / "configs/sd35m-pickscore.yaml", [*base, *[s.format(tmp=tmp_path) for s in sets]]))

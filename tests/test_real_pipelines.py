@@ -51,6 +51,10 @@ SHRINK = [  # the shipped configs at toy size, on one core
 TRAIN = ["a red cat on a mat", "a blue car", "two dogs in the snow", "a sign that says OPEN", "a green apple",
          "a photo of a castle"]
 TEST = ["a yellow bird", "a cup of tea"]
+# FLUX's prompts as flow_grpo's GenEval set is laid out (dataset/geneval/{train,test}_metadata.jsonl):
+# one object per prompt, whose fields an HTTP reward receives beside the image
+METADATA = {prompt: {"tag": "single_object", "include": [{"class": prompt.split()[-1], "count": 1}], "prompt": prompt}
+            for prompt in TRAIN + TEST}
 
 
 class BrightnessOCR(BaseHTTPRequestHandler):
@@ -64,6 +68,7 @@ class BrightnessOCR(BaseHTTPRequestHandler):
         from PIL import Image
 
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.bodies.append({key: body[key] for key in ("prompts", "metadata") if key in body})
         scores = [float(np.asarray(Image.open(io.BytesIO(base64.b64decode(img)))).mean() / 255)
                   for img in body["images"]]
         data = json.dumps({"scores": scores}).encode()
@@ -85,15 +90,22 @@ def parts(tmp_path_factory) -> dict[str, Path | str]:
     prompts.mkdir()
     (prompts / "train.txt").write_text("\n".join(TRAIN) + "\n")
     (prompts / "test.txt").write_text("\n".join(TEST) + "\n")
+    with_metadata = root / "prompts-metadata"
+    with_metadata.mkdir()
+    for split, lines in (("train", TRAIN), ("test", TEST)):
+        (with_metadata / f"{split}_metadata.jsonl").write_text("".join(json.dumps(METADATA[p]) + "\n" for p in lines))
     server = ThreadingHTTPServer(("127.0.0.1", 0), BrightnessOCR)
+    server.bodies = []  # what the OCR server was sent, less the images
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield {**{kind: build_tiny_pipeline(kind, root / kind) for kind in CONFIGS}, "clip": build_tiny_clip(root / "clip"),
-           "prompts": prompts, "ocr": f"http://127.0.0.1:{server.server_port}/score", "cache": root / "cache"}
+           "prompts": prompts, "prompts-metadata": with_metadata, "ocr": f"http://127.0.0.1:{server.server_port}/score",
+           "ocr-bodies": server.bodies, "cache": root / "cache"}
     server.shutdown()
 
 
 def overrides(kind: str, parts: dict, run: Path) -> list[str]:
-    sets = [*SHRINK, f"model.pretrained={parts[kind]}", f"data.prompts={parts['prompts']}", f"run.url=file://{run}",
+    prompts = parts["prompts-metadata" if kind == "flux" else "prompts"]
+    sets = [*SHRINK, f"model.pretrained={parts[kind]}", f"data.prompts={prompts}", f"run.url=file://{run}",
             f"run.cache_url=file://{parts['cache']}"]
     if kind != "qwen-image":
         sets.append("grpo.ema.every=1")
@@ -136,6 +148,15 @@ def test_spotlight_run_explores_trains_a_lora_with_guidance_and_evaluates(kind, 
     assert [e["prompts"] for e in evals] == [TEST] * 3
     assert evals[2]["weights"] == ("live" if kind == "qwen-image" else "ema")
     assert evals[0]["eval_reward"] != evals[2]["eval_reward"], "the policy moved"
+
+
+def test_an_http_reward_receives_each_prompts_metadata(parts, runs):
+    """FLUX's run reads GenEval-style JSONL; every request to its OCR server (explorer, trainer, evaluation)
+    carries, for each image, the object of the image's prompt."""
+    bodies = parts["ocr-bodies"]
+    scored = {p for body in bodies for p in body["prompts"]}
+    assert set(TEST) <= scored and scored & set(TRAIN) and scored <= set(TRAIN + TEST)
+    assert all(body["metadata"] == [METADATA[p] for p in body["prompts"]] for body in bodies)
 
 
 @pytest.mark.parametrize("kind", CONFIGS)

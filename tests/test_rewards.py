@@ -26,6 +26,7 @@ from spotlight.models.tiny_clip import build_tiny_aesthetic_head, build_tiny_cli
 from spotlight.remote_reward import RemoteReward, RemoteRewardError
 from spotlight.rewards import RewardContext, WeightedReward, build_reward, check_rewards
 from spotlight.store import RunStore
+from tests.conftest import REPO
 
 LEARNED = ("pickscore", "clip_score", "aesthetic")
 # Policy image shapes: downscaled and cropped (non-square), upscaled grey digits, and the CLIP's own size.
@@ -269,6 +270,26 @@ def test_remote_scores_come_back_in_order_across_batches(server: ScriptedServer)
     assert decode(server.requests[0]["body"]["images"][1]).shape == (12, 10, 3)  # an RGB PNG at policy size
     grey = remote(server.url)(flat_images(2, (1, 16, 16)), ["p0", "p1"])
     assert grey.tolist() == [0.0, 1010.0] and decode(server.requests[-1]["body"]["images"][0]).shape == (16, 16)
+
+    assert all("metadata" not in r["body"] for r in server.requests), "prompts without metadata send none"
+
+
+def test_remote_sends_each_images_prompt_metadata(server: ScriptedServer, tmp_path: Path) -> None:
+    """GenEval's lines (flow_grpo's dataset/geneval layout): each image goes out with its prompt's object."""
+    from spotlight.config import load_config
+    from spotlight.prompts import prompt_metadata
+
+    lines = [{"tag": "single_object", "include": [{"class": "bench", "count": 1}], "prompt": "p0"},
+             {"tag": "counting", "include": [{"class": "cup", "count": 3}], "exclude": [{"class": "cup", "count": 4}],
+              "prompt": "p1"},
+             {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "prompt": "p2"}]
+    (tmp_path / "train_metadata.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[:2]))
+    (tmp_path / "test_metadata.jsonl").write_text(json.dumps(lines[2]) + "\n")
+    cfg = load_config(REPO / "configs/sd35m-pickscore.yaml", [f"data.prompts={tmp_path}"])
+    reward = RemoteReward("geneval", RemoteRewardSection(url=server.url, batch_size=2), metadata=prompt_metadata(cfg))
+    got = reward(flat_images(5), ["p1", "p0", "p2", "p1", "p9"])
+    assert got.tolist() == [1000, 10, 2020, 1030, 9040]
+    assert [r["body"]["metadata"] for r in server.requests] == [[lines[1], lines[0]], [lines[2], lines[1]], [None]]
 
 
 def test_remote_retries_server_errors(server: ScriptedServer) -> None:
