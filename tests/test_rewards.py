@@ -285,8 +285,11 @@ def test_remote_sends_each_images_prompt_metadata(server: ScriptedServer, tmp_pa
              {"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}], "prompt": "p2"}]
     (tmp_path / "train_metadata.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[:2]))
     (tmp_path / "test_metadata.jsonl").write_text(json.dumps(lines[2]) + "\n")
-    cfg = load_config(REPO / "configs/sd35m-pickscore.yaml", [f"data.prompts={tmp_path}"])
-    reward = RemoteReward("geneval", RemoteRewardSection(url=server.url, batch_size=2), metadata=prompt_metadata(cfg))
+    cfg = load_config(REPO / "configs/sd35m-pickscore.yaml", [  # docs/real_models.md's GenEval command
+        f"data.prompts={tmp_path}", "rewards.train={geneval: 1.0}", "rewards.eval={geneval: 1.0}",
+        f"rewards.remote.geneval.url={server.url}", "rewards.remote.geneval.batch_size=2"])
+    check_rewards(cfg)
+    reward = RemoteReward("geneval", cfg.rewards.remote["geneval"], metadata=prompt_metadata(cfg))
     got = reward(flat_images(5), ["p1", "p0", "p2", "p1", "p9"])
     assert got.tolist() == [1000, 10, 2020, 1030, 9040]
     assert [r["body"]["metadata"] for r in server.requests] == [[lines[1], lines[0]], [lines[2], lines[1]], [None]]
