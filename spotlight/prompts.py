@@ -95,19 +95,17 @@ def heldout_prompts(cfg: Config) -> tuple[str, ...]:
 def prompt_metadata(cfg: Config) -> dict[str, dict[str, Any]]:
     """Each prompt's JSONL object, over the train and held-out files (empty for text files and digits).
     A prompt given two different objects is a PromptError naming both lines."""
-    metadata: dict[str, dict[str, Any]] = {}
-    where: dict[str, str] = {}
+    first: dict[str, tuple[dict[str, Any], str]] = {}  # prompt -> (its object, where it was first seen)
     for path in dict.fromkeys(p for p in (split_file(cfg, "train"), split_file(cfg, "test")) if p is not None):
         for number, prompt, text in read_lines(path):
             if text is None:
                 continue
             value = json.loads(text)
-            if prompt in metadata and metadata[prompt] != value:
-                raise PromptError(f"{path}:{number}: prompt {prompt!r} has other metadata than at {where[prompt]}; "
+            seen, where = first.setdefault(prompt, (value, f"{path}:{number}"))
+            if seen != value:
+                raise PromptError(f"{path}:{number}: prompt {prompt!r} has other metadata than at {where}; "
                                   "a reward receives metadata by prompt, so a prompt needs the same object each time")
-            metadata.setdefault(prompt, value)
-            where.setdefault(prompt, f"{path}:{number}")
-    return metadata
+    return {prompt: value for prompt, (value, _) in first.items()}
 
 
 def iteration_prompts(cfg: Config, t: int) -> list[str]:
