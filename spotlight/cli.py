@@ -46,6 +46,9 @@ def print_summary(summary: Summary) -> None:
         extra = f"  diversity {diversity[it]:.2f}x base" if it in diversity else ""
         extra += f", realism {realism[it]:.3f}" if realism.get(it) is not None else ""
         table.add_row(f"held-out reward, theta_{it}", f"{value:.3f}{extra}")
+    for it, by_tag in summary.eval_reward_by_tag[:1] + summary.eval_reward_by_tag[1:][-1:]:  # first and last
+        table.add_row(f"held-out reward by tag, theta_{it}", ", ".join(f"{tag} {r:.3f}" for tag, r in by_tag.items())
+                      + f" (mean of the tags {sum(by_tag.values()) / len(by_tag):.3f})")
     if summary.realism_digits_real is not None:
         table.add_row("realism (distance to the 5 nearest real digits)",
                       f"lower is better; real digits: {summary.realism_digits_real:.3f}")

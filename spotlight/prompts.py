@@ -14,9 +14,11 @@ that appears twice must carry the same object both times.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from statistics import fmean
+from typing import Any, Literal, Sequence
 
 import torch
 
@@ -106,6 +108,18 @@ def prompt_metadata(cfg: Config) -> dict[str, dict[str, Any]]:
                 raise PromptError(f"{path}:{number}: prompt {prompt!r} has other metadata than at {where}; "
                                   "a reward receives metadata by prompt, so a prompt needs the same object each time")
     return {prompt: value for prompt, (value, _) in first.items()}
+
+
+def reward_by_tag(cfg: Config, prompts: Sequence[str], rewards: Sequence[float]) -> dict[str, float]:
+    """The mean reward of the prompts of each metadata ``tag`` (GenEval's six tasks: its score is the mean
+    of theirs, not of its prompts); empty when no prompt has a tag."""
+    metadata = prompt_metadata(cfg)
+    by_tag: dict[str, list[float]] = defaultdict(list)
+    for prompt, reward in zip(prompts, rewards, strict=True):
+        tag = metadata.get(prompt, {}).get("tag")
+        if isinstance(tag, str):
+            by_tag[tag].append(reward)
+    return {tag: fmean(values) for tag, values in sorted(by_tag.items())}
 
 
 def iteration_prompts(cfg: Config, t: int) -> list[str]:

@@ -42,6 +42,8 @@ class Summary:
     diversity_vs_base: list[tuple[int, float]] = field(default_factory=list)
     realism_digits: list[tuple[int, float | None]] = field(default_factory=list)
     realism_digits_real: float | None = None
+    # the held-out reward per prompt metadata tag (GenEval's tasks), per evaluation; empty without tags
+    eval_reward_by_tag: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     @property
     def eval_first_last(self) -> tuple[float, float] | None:
@@ -57,7 +59,7 @@ class Summary:
             "cost_by_stage": self.cost_by_stage, "cost_by_iteration": self.cost_by_iteration,
             "target": self.target, "target_reached": self.target_reached,
             "diversity_vs_base": self.diversity_vs_base, "realism_digits": self.realism_digits,
-            "realism_digits_real": self.realism_digits_real,
+            "realism_digits_real": self.realism_digits_real, "eval_reward_by_tag": self.eval_reward_by_tag,
         }
 
 
@@ -147,6 +149,10 @@ def write_report(run: Run, target: float | None = None) -> Summary:
     if evals:
         ax.plot([m["iteration"] for m in evals], [m["eval_reward"] for m in evals], "o-",
                 label=f"held-out reward ({run.cfg.rewards.describe('eval')}, ODE, fixed seeds)")
+    tagged = [(m["iteration"], m["eval_reward_by_tag"]) for m in evals if m.get("eval_reward_by_tag")]
+    for tag in sorted({tag for _, by_tag in tagged for tag in by_tag}):
+        its = [(t, by_tag[tag]) for t, by_tag in tagged if tag in by_tag]
+        ax.plot([t for t, _ in its], [r for _, r in its], "--", lw=1, alpha=0.8, label=f"held-out, {tag}")
     ax.set_ylabel("reward")
     ax.set_title(f"{run.cfg.run.name}: exploration mode {run.cfg.exploration.mode}")
     ax.grid(alpha=0.3)
@@ -196,6 +202,7 @@ def write_report(run: Run, target: float | None = None) -> Summary:
         diversity_vs_base=[(m["iteration"], m["diversity_vs_base"]) for m in quality],
         realism_digits=[(m["iteration"], m["realism_digits"]) for m in quality],
         realism_digits_real=next((m.get("realism_digits_real") for m in quality), None),
+        eval_reward_by_tag=tagged,
     )
     target = run.cfg.evaluation.target if target is None else target
     if target is not None:

@@ -26,7 +26,7 @@ from spotlight.grpo import UpdateBatch, grpo_epoch, recipe_advantages
 from spotlight.planner import PlannerState, plan_exploration
 from spotlight.pretrain import (BaseTrainer, classifier_accuracy, load_optimizer_tensors, optimizer_tensors,
                                 train_classifier)
-from spotlight.prompts import evaluation_prompts, iteration_prompts
+from spotlight.prompts import evaluation_prompts, iteration_prompts, reward_by_tag
 from spotlight.quality import quality_metrics
 from spotlight.run import Run, distributed
 from spotlight.sampler import Rollout, encode_conditioning, sample_ode_batched, sample_sde_batched
@@ -356,9 +356,11 @@ def evaluate(run: Run, t: int, key: str) -> Commit:
     quality = quality_metrics(images, n_prompts, digit_images=run.cfg.model.kind == "tiny-mmdit")
     diversity_vs_base = (quality["diversity"] / base["diversity"] if base and base.get("diversity") else
                          1.0 if quality["diversity"] is not None else None)
+    per_prompt = held_out.view(n_prompts, -1).mean(dim=1).tolist()
+    by_tag = reward_by_tag(run.cfg, prompts[::run.cfg.evaluation.seeds_per_prompt], per_prompt)
     metrics = {"iteration": t, "weights": "ema" if run.cfg.grpo.ema is not None else "live",
                "eval_reward": held_out.mean().item(), "train_reward_on_eval": train.mean().item(),
-               "eval_reward_per_prompt": held_out.view(n_prompts, -1).mean(dim=1).tolist(),
+               "eval_reward_per_prompt": per_prompt, **({"eval_reward_by_tag": by_tag} if by_tag else {}),
                "prompts": list(dict.fromkeys(prompts)), **quality, "diversity_vs_base": diversity_vs_base}
     return run.store.commit(key, {"metrics.json": json_bytes(metrics),
                                   "samples.safetensors": tensors_to_bytes({"grid": sample_grid(images, n_prompts)})},

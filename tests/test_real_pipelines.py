@@ -27,12 +27,14 @@ import pytest
 import torch
 
 from spotlight.ema import ema_state
+from spotlight.cli import print_summary
 from spotlight.models.export import pipeline_class
 from spotlight.models.tiny_clip import build_tiny_clip
 from spotlight.models.tiny_pipelines import build_tiny_pipeline
 from spotlight.run import open_run_from_url
 from spotlight.sampler import sample_ode
 from spotlight.seeding import draw, rollout_generators
+from spotlight.report import Summary
 from spotlight.store import RunStore, bytes_to_tensors
 from tests.conftest import REPO, SPOTLIGHT, cli_env, run_cli
 from tests.test_pipelines import pipeline_sample
@@ -53,7 +55,12 @@ TRAIN = ["a red cat on a mat", "a blue car", "two dogs in the snow", "a sign tha
 TEST = ["a yellow bird", "a cup of tea"]
 # FLUX's prompts as flow_grpo's GenEval set is laid out (dataset/geneval/{train,test}_metadata.jsonl):
 # one object per prompt, whose fields an HTTP reward receives beside the image
-METADATA = {prompt: {"tag": "single_object", "include": [{"class": prompt.split()[-1], "count": 1}], "prompt": prompt}
+def geneval_tag(prompt: str) -> str:
+    colored = {"red", "blue", "green", "yellow"} & set(prompt.split())
+    return "counting" if prompt.startswith("two ") else "colors" if colored else "single_object"
+
+
+METADATA = {prompt: {"tag": geneval_tag(prompt), "include": [{"class": prompt.split()[-1], "count": 1}], "prompt": prompt}
             for prompt in TRAIN + TEST}
 
 
@@ -157,6 +164,24 @@ def test_an_http_reward_receives_each_prompts_metadata(parts, runs):
     scored = {p for body in bodies for p in body["prompts"]}
     assert set(TEST) <= scored and scored & set(TRAIN) and scored <= set(TRAIN + TEST)
     assert all(body["metadata"] == [METADATA[p] for p in body["prompts"]] for body in bodies)
+
+
+def test_evaluation_and_report_give_the_held_out_reward_per_tag(runs, capsys, monkeypatch):
+    """GenEval's score is the mean over its tasks: each evaluation records the reward of each tag's prompts."""
+    store = RunStore(f"file://{runs['flux']}")
+    last = store.load("evaluations/0002").json("metrics.json")
+    assert [geneval_tag(p) for p in TEST] == ["colors", "single_object"]
+    assert last["eval_reward_by_tag"] == dict(zip(["colors", "single_object"], last["eval_reward_per_prompt"]))
+    summary = json.loads(store.read_bytes("report/summary.json"))
+    assert summary["eval_reward_by_tag"][-1] == [2, last["eval_reward_by_tag"]]
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+    print_summary(Summary(**summary))
+    colors, single = last["eval_reward_by_tag"]["colors"], last["eval_reward_by_tag"]["single_object"]
+    printed = " ".join(capsys.readouterr().out.split())
+    assert (f"held-out reward by tag, theta_2 │ colors {colors:.3f}, single_object {single:.3f} "
+            f"(mean of the tags {(colors + single) / 2:.3f})") in printed
+    sd3 = RunStore(f"file://{runs['sd3']}").load("evaluations/0002").json("metrics.json")
+    assert "eval_reward_by_tag" not in sd3, "a text prompt file has no tags"
 
 
 @pytest.mark.parametrize("kind", CONFIGS)
