@@ -135,11 +135,12 @@ def iteration_prompts(cfg: Config, t: int) -> list[str]:
     return [pool[int(i)] for i in order[:n]]
 
 
-def evaluation_prompts(cfg: Config) -> tuple[list[str], list[int]]:
-    """Fixed across iterations: the same prompts and seeds score every theta_t (prompt-major order)."""
+def evaluation_prompts(cfg: Config, seeds_per_prompt: int | None = None) -> tuple[list[str], list[int]]:
+    """Fixed across iterations: the same prompts and seeds score every theta_t (prompt-major order).
+    ``seeds_per_prompt`` above the config's extends each prompt's seeds, its first ones those a run evaluates on."""
     prompts, seeds = [], []
     for i, prompt in enumerate(heldout_prompts(cfg)):
-        for j in range(cfg.evaluation.seeds_per_prompt):
+        for j in range(seeds_per_prompt or cfg.evaluation.seeds_per_prompt):
             prompts.append(prompt)
             seeds.append(derive_seed(cfg.run.seed, "eval", i, j))
     return prompts, seeds

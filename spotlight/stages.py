@@ -334,6 +334,15 @@ def sample_grid(images: torch.Tensor, prompts: int) -> torch.Tensor:
     return pixels.view(*per_prompt.shape[:2], *pixels.shape[1:])
 
 
+def evaluation_samples(run: Run, t: int, prompts: list[str], seeds: list[int]) -> torch.Tensor:
+    """What evaluation scores: ODE samples of theta_t, its average when ``grpo.ema`` is on (as flow_grpo
+    evaluates), at the config's evaluation steps and guidance."""
+    sc = run.cfg.sampler
+    with weights_swapped(run.policy_at(t), ema_state(run, t)) as policy:
+        return sample_ode_batched(policy, prompts, seeds, sc.batch_size, steps=sc.eval_steps, guidance=sc.guidance,
+                                  negative_prompt=sc.negative_prompt)
+
+
 def evaluation_key(run: Run, t: int) -> str:
     return f"evaluations/{t:04d}"
 
@@ -344,12 +353,9 @@ def evaluate(run: Run, t: int, key: str) -> Commit:
     evaluation prompts and seeds, scored by the held-out and training rewards, and by what the rewards do
     not see (:mod:`spotlight.quality`): within-prompt diversity (also relative to theta_0's) and, for
     digits, realism."""
-    sc = run.cfg.sampler
     base = evaluate(run, 0).json("metrics.json") if t > 0 else None  # the reference of diversity_vs_base
     prompts, seeds = evaluation_prompts(run.cfg)
-    with weights_swapped(run.policy_at(t), ema_state(run, t)) as policy:  # grpo.ema: theta_t's average
-        images = sample_ode_batched(policy, prompts, seeds, sc.batch_size, steps=sc.eval_steps, guidance=sc.guidance,
-                                    negative_prompt=sc.negative_prompt)
+    images = evaluation_samples(run, t, prompts, seeds)
     held_out = run.weighted_reward("eval")(images, prompts)
     train = run.weighted_reward("train")(images, prompts)
     n_prompts = len(prompts) // run.cfg.evaluation.seeds_per_prompt

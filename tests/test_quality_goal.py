@@ -88,3 +88,44 @@ def test_paired_difference_is_taken_seed_by_seed_over_merged_inputs(tmp_path):
     assert rows["realism"] == ["0.2833", "0.2783", interval([-0.005, 0.01, 0.01], "+"), "2/3"]
     out = bench("paired_difference.py", str(tmp_path / "a.json"), "--a", "kl18", "--b", "kl21")
     assert out.returncode != 0 and "need >= 2 seeds run with both kl18 and kl21" in out.stderr
+
+
+def small_run(root: Path, name: str, seed: int, cache_url: str, *sets: str) -> dict:
+    """One iteration of the small config in a bench-style folder ``{name}-s{seed}``; theta_1's evaluation."""
+    from spotlight import stages
+    from spotlight.config import load_config
+    from spotlight.run import open_run
+
+    from tests.conftest import REPO, SMALL
+
+    run = open_run(load_config(REPO / "configs/tiny.yaml", [
+        *SMALL, f"run.cache_url={cache_url}", f"run.url=file://{root}/{name}-s{seed}", f"run.seed={seed}",
+        "grpo.iterations=1", "evaluation.every=1", "placement.explorer.workers=0", *sets]))
+    stages.pretrain(run)
+    stages.update(run, 0)
+    return stages.evaluate(run, 1).json("metrics.json")
+
+
+def test_reevaluation_on_more_seeds_is_what_a_run_evaluating_on_them_records(tmp_path, cache_url):
+    """--seeds-per-prompt re-evaluates theta_N on K seeds per held-out prompt: the same numbers a run of the
+    same recipe that evaluated on K seeds itself records, its first chunk the run's own evaluation."""
+    kl = "grpo.kl_beta=0.5"
+    own = {(name, seed): small_run(tmp_path / "runs", name, seed, cache_url, *sets)
+           for name, sets in (("mine", [kl]), ("plain", [])) for seed in (0, 1)}
+    wide = small_run(tmp_path / "wide", "mine", 0, cache_url, kl, "evaluation.seeds_per_prompt=6")
+    out = subprocess.run([sys.executable, str(BENCH / "quality_goal.py"), str(tmp_path / "runs"), "--method", "mine",
+                          "--baseline", "plain", "--iterations", "1", "--seeds-per-prompt", "6", "--parallel", "1"],
+                         capture_output=True, text=True, env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "runs" / "reevaluated-6-1.json").read_text())
+    assert sorted(rows) == ["mine-s0", "mine-s1", "plain-s0", "plain-s1"] and all(len(r) == 4 for r in rows.values())
+    for key in ("eval_reward", "diversity_vs_base", "realism_digits"):
+        assert abs(rows["mine-s0"][0][key] - wide[key]) < 1e-6, key  # all 6 seeds: the wide run's own record
+        for (name, seed), metrics in own.items():
+            assert abs(rows[f"{name}-s{seed}"][1][key] - metrics[key]) < 1e-6, key  # the first 2: the run's own
+    assert rows["mine-s0"][2] != rows["mine-s0"][1]  # another seed set, another number: the sampling noise
+    table = table_rows(out.stdout)
+    gap = [rows[f"mine-s{s}"][0]["realism_digits"] - rows[f"plain-s{s}"][0]["realism_digits"] for s in (0, 1)]
+    assert table["realism minus plain's"][1] == interval(gap)
+    assert float(table["held-out reward"][-1]) < 1e-6  # the noise table's first chunk against the run's own
+    assert f"its own evaluation: held-out {own[('mine', 1)]['eval_reward']:.4f}" in out.stdout
