@@ -21,6 +21,7 @@ seed-to-seed spread of the runs' own evaluations was that sampling noise.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from statistics import fmean, stdev
 
@@ -35,7 +36,7 @@ def from_summary(path: Path) -> dict[tuple[str, int], dict[str, list[float]]]:
     out = {}
     for key, run in json.loads(path.read_text()).items():
         name, seed = key.rsplit("|", 1)
-        out[(name, int(seed))] = {k: run[k] for k in ("eval_reward", "diversity_vs_base", "realism_digits")}
+        out[(name, int(seed))] = {k: run[k] for k in QUANTITIES}
     return out
 
 
@@ -45,15 +46,21 @@ def from_runs(root: Path, iterations: int) -> dict[tuple[str, int], dict[str, li
     from spotlight.store import RunStore
 
     out = {}
-    for run_dir in sorted(p for p in root.iterdir() if p.is_dir() and "-s" in p.name):
-        name, seed = run_dir.name.rsplit("-s", 1)
+    for name, seed, run_dir in run_folders(root):
         store = RunStore(f"file://{run_dir}")
-        if not seed.isdigit() or not store.is_committed(f"evaluations/{iterations:04d}"):
+        if not store.is_committed(f"evaluations/{iterations:04d}"):
             continue
         metrics = [store.load(f"evaluations/{t:04d}").json("metrics.json") for t in range(1, iterations + 1)]
-        out[(name, int(seed))] = {k: [m.get(k) for m in metrics]
-                                  for k in ("eval_reward", "diversity_vs_base", "realism_digits")}
+        out[(name, seed)] = {k: [m.get(k) for m in metrics] for k in QUANTITIES}
     return out
+
+
+def run_folders(root: Path) -> Iterator[tuple[str, int, Path]]:
+    """The benches' run folders ``{variant}-s{seed}`` under ``root``: (variant, seed, folder)."""
+    for run_dir in sorted(p for p in root.iterdir() if p.is_dir() and "-s" in p.name):
+        name, seed = run_dir.name.rsplit("-s", 1)
+        if seed.isdigit():
+            yield name, int(seed), run_dir
 
 
 def load(paths: list[Path], iterations: int, names: dict[str, str]) -> dict[tuple[str, int], dict[str, list[float]]]:
@@ -84,10 +91,9 @@ def at_theta_n(inputs: list[Path], variants: dict[str, str], chosen: list[int], 
     evaluation size (`reevaluate.py`). Needs the run folders, not summary.json files."""
     folders = {}
     for root in (p for p in inputs if p.is_dir()):
-        for run_dir in (d for d in root.iterdir() if d.is_dir() and "-s" in d.name):
-            name, seed = run_dir.name.rsplit("-s", 1)
-            if name in variants and seed.isdigit() and int(seed) in chosen:
-                folders.setdefault((variants[name], int(seed)), run_dir)
+        for name, seed, run_dir in run_folders(root):
+            if name in variants and seed in chosen:
+                folders.setdefault((variants[name], seed), run_dir)
     missing = sorted({(v, s) for v in variants.values() for s in chosen} - set(folders))
     if missing:
         raise typer.BadParameter(f"--seeds-per-prompt re-evaluates run folders; none found for {missing}")
